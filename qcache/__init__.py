@@ -1,0 +1,22 @@
+"""qcache: a quantized KV cache for PyTorch and Hugging Face Transformers."""
+
+from .cache import CacheMemory, QuantCache, QuantLayer
+from .config import SUPPORTED_BITS, QuantCacheConfig
+from .quant import dequantize, dequantize_grouped, pack, quantize, quantize_grouped, unpack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QuantCache",
+    "QuantLayer",
+    "QuantCacheConfig",
+    "CacheMemory",
+    "SUPPORTED_BITS",
+    "pack",
+    "unpack",
+    "quantize",
+    "dequantize",
+    "quantize_grouped",
+    "dequantize_grouped",
+    "__version__",
+]

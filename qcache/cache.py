@@ -1,0 +1,494 @@
+"""QuantCache: a transformers `Cache` that stores keys pre-RoPE per channel and values per token, bit-packed.
+
+Layout of one layer (B = batch, H = kv heads, D = head_dim, G = k_group_size, tokens in cache order):
+
+    ========== ======================================= ============================================
+    region     keys                                    values
+    ========== ======================================= ============================================
+    sinks      first `sink_tokens` tokens, as given (post-RoPE), full precision
+    quantized  pre-RoPE codes [B, H, Tq, D*kb/8] uint8  codes [B, H, Tq, D*vb/8] uint8
+               scale/zero per channel per block of G     scale/zero per token per `v_group_size`
+               tokens: [B, H, n_blocks, D]               channels: [B, H, Tq, D / v_group_size]
+    residual   the block being filled + `recent_tokens`, as given (post-RoPE), full precision
+    ========== ======================================= ============================================
+
+Positions are kept per token ([B, T] int32, -1 for left padding) to re-apply RoPE and to keep padding out of the
+key statistics. Tokens move from the residual to the quantized region G at a time, once, and are never
+re-quantized. `update()` returns what the cache holds: dequantized keys (RoPE re-applied) and values for the
+quantized region, the stored full-precision tokens elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+from .config import QuantCacheConfig
+from .quant import dequantize, pack, quantize_grouped, unpack
+from .rope import RopeHelper, modeling_module_of
+
+__all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class CacheMemory:
+    """Bytes a cache holds, counted from its tensors."""
+
+    packed: int = 0  # bit-packed codes
+    scales: int = 0  # scales and zero-points
+    full_precision: int = 0  # sinks, the block being filled, the recent window, native sliding layers
+    positions: int = 0  # int32 positions per token
+    tokens: int = 0  # tokens held by the longest layer
+
+    @property
+    def total(self) -> int:
+        return self.packed + self.scales + self.full_precision + self.positions
+
+    def __add__(self, other: "CacheMemory") -> "CacheMemory":
+        return CacheMemory(
+            self.packed + other.packed, self.scales + other.scales, self.full_precision + other.full_precision,
+            self.positions + other.positions, max(self.tokens, other.tokens),
+        )
+
+
+def model_fingerprint(text_config) -> dict:
+    """What identifies a model for the cache: geometry, layer types and RoPE."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    layer_types = getattr(text_config, "layer_types", None)
+    rope = getattr(text_config, "rope_parameters", None)
+    return {
+        "model_type": text_config.model_type,
+        "num_hidden_layers": int(text_config.num_hidden_layers),
+        "num_key_value_heads": int(getattr(text_config, "num_key_value_heads", None)
+                                   or text_config.num_attention_heads),
+        "head_dim": int(head_dim),
+        "layer_types": list(layer_types) if layer_types is not None else None,
+        "sliding_window": getattr(text_config, "sliding_window", None),
+        "rope_parameters": json.loads(json.dumps(rope, sort_keys=True, default=str)) if rope is not None else None,
+    }
+
+
+def _positions_from_kwargs(kwargs: dict) -> torch.Tensor | None:
+    inner = kwargs.get("kwargs")
+    if isinstance(inner, dict) and inner.get("position_ids") is not None:
+        return inner["position_ids"]
+    return kwargs.get("position_ids")
+
+
+def _mark_padding(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] positions -> int32 positions with left padding set to -1.
+
+    Real tokens form a run of consecutive positions that ends the chunk; a token whose position in that run would
+    be negative is padding (transformers gives pads position 0 or 1)."""
+    T = position_ids.shape[-1]
+    expected = position_ids[:, -1:] - torch.arange(T - 1, -1, -1, device=position_ids.device)  # [B, T]
+    return torch.where(expected < 0, -1, position_ids).to(torch.int32)
+
+
+class QuantLayer(CacheLayerMixin):
+    """One layer of `QuantCache` (see the module docstring for the layout)."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cfg: QuantCacheConfig, layer_idx: int, rope: RopeHelper | None,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.rope = rope
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
+        self.scale_dtype = _SCALE_DTYPES[cfg.scale_dtype]
+        self._clear()
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def _clear(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None  # unused: kept for transformers code that peeks at them
+        self.sink_k = self.sink_v = self.sink_pos = None
+        self.kq = self.k_scale = self.k_zero = None
+        self.vq = self.v_scale = self.v_zero = None
+        self.q_pos = None
+        self.block_lens: list[int] = []
+        self.res_k = self.res_v = self.res_pos = None
+        self.cumulative_length = 0  # tokens ever seen (what sliding masks count)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
+        self.cfg.check_head_dim(D)
+        for bits in (self.cfg.k_bits, self.cfg.v_bits):
+            if D % 8:
+                raise ValueError(f"head_dim={D} must be a multiple of 8 to pack {bits}-bit codes")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        dev = self.device
+
+        def empty(*shape, dtype=self.dtype):
+            return torch.empty(*shape, dtype=dtype, device=dev)
+
+        self.sink_k, self.sink_v = empty(B, H, 0, D), empty(B, H, 0, D)
+        self.sink_pos = empty(B, 0, dtype=torch.int32)
+        self.kq = empty(B, H, 0, D * self.cfg.k_bits // 8, dtype=torch.uint8)
+        self.vq = empty(B, H, 0, D * self.cfg.v_bits // 8, dtype=torch.uint8)
+        self.k_scale = empty(B, H, 0, D, dtype=self.scale_dtype)
+        self.k_zero = empty(B, H, 0, D, dtype=self.scale_dtype)
+        ng = D // self.cfg.v_group_size
+        self.v_scale = empty(B, H, 0, ng, dtype=self.scale_dtype)
+        self.v_zero = empty(B, H, 0, ng, dtype=self.scale_dtype)
+        self.q_pos = empty(B, 0, dtype=torch.int32)
+        self.res_k, self.res_v = empty(B, H, 0, D), empty(B, H, 0, D)
+        self.res_pos = empty(B, 0, dtype=torch.int32)
+        self.is_initialized = True
+
+    def _batch_tensors(self) -> list[str]:
+        return ["sink_k", "sink_v", "sink_pos", "kq", "k_scale", "k_zero", "vq", "v_scale", "v_zero", "q_pos",
+                "res_k", "res_v", "res_pos"]
+
+    @property
+    def quantized_length(self) -> int:
+        return 0 if not self.is_initialized else self.kq.shape[2]
+
+    def stored_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.sink_k.shape[2] + self.kq.shape[2] + self.res_k.shape[2]
+
+    # -- update ----------------------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new states and return all keys/values as the cache now holds them ([B, H, T_total, D])."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.sink_k.shape[0] or key_states.shape[-1] != self.sink_k.shape[-1]:
+            raise ValueError(
+                f"layer {self.layer_idx} holds batch {self.sink_k.shape[0]} x head_dim {self.sink_k.shape[-1]} but "
+                f"got key_states of shape {tuple(key_states.shape)}; call reset() before reusing the cache"
+            )
+        B, _, T, _ = key_states.shape  # key_states: [B, H, T, D]
+        position_ids = _positions_from_kwargs(kwargs)
+        if position_ids is None:
+            if self.rope is not None:
+                raise ValueError(
+                    "QuantCache(rope='pre') needs the position_ids that attention passes to Cache.update, and got "
+                    "none; pass position_ids to the model or use rope='post'"
+                )
+            position_ids = torch.arange(self.cumulative_length, self.cumulative_length + T, device=self.device)
+        if position_ids.dim() != 2:
+            raise ValueError(f"position_ids must be [batch, seq]; got shape {tuple(position_ids.shape)}")
+        pos = _mark_padding(position_ids.to(self.device).expand(B, T))  # [B, T] int32
+        kv_before = self.get_mask_sizes(T)[0] - T if self.is_sliding else None
+        self.cumulative_length += T
+
+        key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        n_sink = min(self.sink_tokens - self.sink_k.shape[2], T) if self.kq.shape[2] + self.res_k.shape[2] == 0 else 0
+        n_sink = max(n_sink, 0)
+        if n_sink:
+            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=2)
+            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=2)
+            self.sink_pos = torch.cat([self.sink_pos, pos[:, :n_sink]], dim=1)
+        self.res_k = torch.cat([self.res_k, key_states[:, :, n_sink:]], dim=2)
+        self.res_v = torch.cat([self.res_v, value_states[:, :, n_sink:]], dim=2)
+        self.res_pos = torch.cat([self.res_pos, pos[:, n_sink:]], dim=1)
+        self._flush()
+
+        keys = torch.cat([self.sink_k, self._dequantized_keys(), self.res_k], dim=2)
+        values = torch.cat([self.sink_v, self._dequantized_values(), self.res_v], dim=2)
+        if self.is_sliding:
+            keys, values = keys[:, :, -(kv_before + T):], values[:, :, -(kv_before + T):]
+            self._evict()
+        return keys, values
+
+    def _flush(self) -> None:
+        """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` in full precision."""
+        G = self.cfg.k_group_size
+        n = (self.res_k.shape[2] - self.cfg.recent_tokens) // G * G
+        if n <= 0:
+            return
+        k, v, p = self.res_k[:, :, :n], self.res_v[:, :, :n], self.res_pos[:, :n]  # [B, H, n, D], [B, n]
+        valid = (p >= 0)[:, None, :, None]  # [B, 1, n, 1]: padding stays out of the statistics
+        if self.rope is not None:
+            k = self.rope.undo(k, p, self.layer_idx)  # fp32, pre-RoPE
+        k_codes, k_scale, k_zero = quantize_grouped(k, self.cfg.k_bits, G, dim=2, mask=valid,
+                                                    scale_dtype=self.scale_dtype)
+        v_codes, v_scale, v_zero = quantize_grouped(v, self.cfg.v_bits, self.cfg.v_group_size, dim=3,
+                                                    scale_dtype=self.scale_dtype)
+        self.kq = torch.cat([self.kq, pack(k_codes, self.cfg.k_bits)], dim=2)
+        self.vq = torch.cat([self.vq, pack(v_codes, self.cfg.v_bits)], dim=2)
+        self.k_scale = torch.cat([self.k_scale, k_scale], dim=2)
+        self.k_zero = torch.cat([self.k_zero, k_zero], dim=2)
+        self.v_scale = torch.cat([self.v_scale, v_scale], dim=2)
+        self.v_zero = torch.cat([self.v_zero, v_zero], dim=2)
+        self.q_pos = torch.cat([self.q_pos, p], dim=1)
+        self.block_lens.extend([G] * (n // G))
+        self.res_k, self.res_v, self.res_pos = (
+            self.res_k[:, :, n:].clone(), self.res_v[:, :, n:].clone(), self.res_pos[:, n:].clone())
+
+    def _evict(self) -> None:
+        """Sliding layers: drop whole quantized blocks that no future query can see."""
+        keep = self.sliding_window - 1
+        while self.block_lens and self.stored_length() - self.block_lens[0] >= keep:
+            n = self.block_lens.pop(0)
+            for name in ("kq", "vq", "v_scale", "v_zero"):
+                setattr(self, name, getattr(self, name)[:, :, n:])
+            self.k_scale, self.k_zero = self.k_scale[:, :, 1:], self.k_zero[:, :, 1:]
+            self.q_pos = self.q_pos[:, n:]
+        surplus = self.stored_length() - keep
+        if not self.block_lens and surplus > 0:  # only full-precision tokens left: trim them exactly
+            self.res_k, self.res_v = self.res_k[:, :, surplus:], self.res_v[:, :, surplus:]
+            self.res_pos = self.res_pos[:, surplus:]
+
+    # -- reading ---------------------------------------------------------------------------------------------
+    def _per_token(self, per_block: torch.Tensor) -> torch.Tensor:
+        """[B, H, n_blocks, D] -> [B, H, Tq, D] following block_lens."""
+        G = self.cfg.k_group_size
+        if all(n == G for n in self.block_lens):
+            B, H, nb, D = per_block.shape
+            return per_block.unsqueeze(3).expand(B, H, nb, G, D).reshape(B, H, nb * G, D)
+        lens = torch.tensor(self.block_lens, device=per_block.device)
+        return per_block.repeat_interleave(lens, dim=2)
+
+    def _dequantized_keys(self) -> torch.Tensor:
+        if self.kq.shape[2] == 0:
+            return self.kq.new_empty(*self.kq.shape[:2], 0, self.res_k.shape[-1], dtype=self.dtype)
+        codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
+        k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero))
+        if self.rope is not None:
+            k = self.rope.redo(k, self.q_pos, self.layer_idx)
+        return k.to(self.dtype)
+
+    def _dequantized_values(self) -> torch.Tensor:
+        if self.vq.shape[2] == 0:
+            return self.vq.new_empty(*self.vq.shape[:2], 0, self.res_v.shape[-1], dtype=self.dtype)
+        codes = unpack(self.vq, self.cfg.v_bits)  # [B, H, Tq, D]
+        B, H, Tq, D = codes.shape
+        g = self.cfg.v_group_size
+        # [B, H, Tq, D] -> [B, H, Tq, D/g, g] to broadcast one scale per group
+        v = dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1), self.v_zero.unsqueeze(-1))
+        return v.view(B, H, Tq, D).to(self.dtype)
+
+    # -- transformers' layer contract ------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.cumulative_length if self.is_sliding else self.stored_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if not self.is_sliding:
+            return self.get_seq_length() + query_length, 0
+        past = self.cumulative_length
+        kv_offset = max(past - self.sliding_window + 1, 0)
+        kv_length = min(past, self.sliding_window - 1) + query_length
+        return kv_length, kv_offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.is_sliding else -1
+
+    def reset(self) -> None:
+        self._clear()
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for name in self._batch_tensors():
+            setattr(self, name, fn(getattr(self, name)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder rows of every stored tensor (codes included: nothing is re-quantized)."""
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (a negative int, as for `DynamicLayer`). Tokens that stay keep
+        the values they were stored with; a block cut in the middle keeps its scales."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as for DynamicLayer"
+            )
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if self.is_sliding and self.cumulative_length >= self.sliding_window:
+            raise ValueError("cannot crop a quantized sliding-window layer once its window is full")
+        n = min(n, self.stored_length())
+        self.cumulative_length -= n
+        r = min(n, self.res_k.shape[2])
+        if r:
+            end = self.res_k.shape[2] - r
+            self.res_k, self.res_v, self.res_pos = (
+                self.res_k[:, :, :end].clone(), self.res_v[:, :, :end].clone(), self.res_pos[:, :end].clone())
+            n -= r
+        q = min(n, self.kq.shape[2])
+        if q:
+            end = self.kq.shape[2] - q
+            for name in ("kq", "vq", "v_scale", "v_zero"):
+                setattr(self, name, getattr(self, name)[:, :, :end].clone())
+            self.q_pos = self.q_pos[:, :end].clone()
+            left = q
+            while left:
+                take = min(left, self.block_lens[-1])
+                self.block_lens[-1] -= take
+                left -= take
+                if self.block_lens[-1] == 0:
+                    self.block_lens.pop()
+            nb = len(self.block_lens)
+            self.k_scale, self.k_zero = self.k_scale[:, :, :nb].clone(), self.k_zero[:, :, :nb].clone()
+            n -= q
+        if n:
+            end = self.sink_k.shape[2] - n
+            self.sink_k, self.sink_v = self.sink_k[:, :, :end].clone(), self.sink_v[:, :, :end].clone()
+            self.sink_pos = self.sink_pos[:, :end].clone()
+
+    def memory(self) -> CacheMemory:
+        if not self.is_initialized:
+            return CacheMemory()
+        return CacheMemory(
+            packed=_nbytes(self.kq, self.vq),
+            scales=_nbytes(self.k_scale, self.k_zero, self.v_scale, self.v_zero),
+            full_precision=_nbytes(self.sink_k, self.sink_v, self.res_k, self.res_v),
+            positions=_nbytes(self.sink_pos, self.q_pos, self.res_pos),
+            tokens=self.stored_length(),
+        )
+
+
+def _dynamic_layer_memory(layer) -> CacheMemory:
+    if not getattr(layer, "is_initialized", False) or layer.keys is None:
+        return CacheMemory()
+    return CacheMemory(full_precision=_nbytes(layer.keys, layer.values),
+                       tokens=layer.keys.shape[-2] if layer.keys.dim() == 4 else 0)
+
+
+def _find_attention_module(layer_idx: int, depth: int = 4) -> nn.Module | None:
+    """The attention module calling `Cache.update` (found on the call stack): it carries the model's config."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and hasattr(owner, "config") and getattr(owner, "layer_idx", None) == layer_idx:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class QuantCache(Cache):
+    """A quantized KV cache for `model.generate` and plain forward passes.
+
+    Keys are stored pre-RoPE, quantized per channel over blocks of `k_group_size` tokens; values per token in groups
+    of `v_group_size` channels; both bit-packed. Attention reads what the cache holds (dequantized).
+
+    Args:
+        config: the model's config. Optional: when omitted, the cache takes it from the attention module that
+            first calls `update` (so `QuantCache(bits=4)` works as written in `generate`).
+        bits / k_bits / v_bits / ...: any `QuantCacheConfig` field, or `options=QuantCacheConfig(...)`.
+
+    Example:
+        >>> cache = QuantCache(bits=4)                                              # doctest: +SKIP
+        >>> model.generate(**inputs, past_key_values=cache, max_new_tokens=20)      # doctest: +SKIP
+        >>> cache.memory().total                                                    # doctest: +SKIP
+    """
+
+    def __init__(self, config=None, *, options: QuantCacheConfig | None = None, **kwargs):
+        if options is not None and kwargs:
+            raise ValueError(f"pass either options= or keyword options, not both (got {sorted(kwargs)})")
+        if options is None:
+            options = QuantCacheConfig(**{k: v for k, v in kwargs.items() if v is not None})
+        self.options = options
+        super().__init__(layers=[])
+        self._fingerprint: dict | None = None
+        self._config_obj = None
+        self._text_config = None
+        self._explicit = config is not None
+        if config is not None:
+            self._bind(config.get_text_config(decoder=True), modeling_module=None, prefix=None)
+
+    # -- binding to a model ----------------------------------------------------------------------------------
+    def _bind(self, text_config, modeling_module, prefix, config_obj=None) -> None:
+        fingerprint = model_fingerprint(text_config)
+        rope = None
+        if self.options.rope == "pre":
+            rope = RopeHelper(text_config, modeling_module=modeling_module, prefix=prefix)
+        layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
+        layers = []
+        for idx, layer_type in enumerate(layer_types):
+            if layer_type == "full_attention":
+                layers.append(QuantLayer(self.options, idx, rope))
+            elif layer_type == "sliding_attention":
+                window = text_config.sliding_window
+                if self.options.sliding_layers == "native":
+                    layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+                else:
+                    layers.append(QuantLayer(self.options, idx, rope, sliding_window=window))
+            else:
+                raise ValueError(
+                    f"layer {idx} of model_type={fingerprint['model_type']!r} has layer type {layer_type!r}; "
+                    "QuantCache supports: ['full_attention', 'sliding_attention']"
+                )
+        self.layers = layers
+        self._fingerprint = fingerprint
+        self._config_obj = config_obj if config_obj is not None else text_config
+        self._text_config = text_config
+
+    def _check_model(self, layer_idx: int) -> None:
+        module = _find_attention_module(layer_idx)
+        if module is None:
+            if self._fingerprint is None:
+                raise ValueError(
+                    "QuantCache needs the model's config for pre-RoPE keys and could not find the calling attention "
+                    "module; construct it as QuantCache(model.config, ...)"
+                )
+            return
+        config = module.config
+        if config is self._config_obj:
+            return
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if self._fingerprint is None or (self.get_seq_length() == 0 and not self._explicit):
+            self._bind(text_config, modeling_module_of(module), type(module).__name__.replace("Attention", ""), config)
+            return
+        fingerprint = model_fingerprint(text_config)
+        if fingerprint != self._fingerprint:
+            diff = {k: (self._fingerprint[k], fingerprint[k]) for k in fingerprint if fingerprint[k] != self._fingerprint[k]}
+            raise ValueError(
+                f"this QuantCache was built for another model (held, got): {diff}; use a new QuantCache per model "
+                "(or reset() it)"
+            )
+        self._config_obj = config
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0 or self._fingerprint is None:
+            self._check_model(layer_idx)
+        if layer_idx >= len(self.layers):
+            raise ValueError(f"layer_idx={layer_idx} but the model has {len(self.layers)} layers")
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        if not self._explicit:  # an empty cache may serve another model
+            self._config_obj = None
+
+    # -- reporting -------------------------------------------------------------------------------------------
+    def memory(self) -> CacheMemory:
+        """Bytes held, split into packed codes, scales/zeros, full-precision tokens and positions."""
+        total = CacheMemory()
+        for layer in self.layers:
+            total = total + (layer.memory() if isinstance(layer, QuantLayer) else _dynamic_layer_memory(layer))
+        return total
+
+    def __repr__(self) -> str:
+        return f"QuantCache({self.options}, layers={len(self.layers)})"

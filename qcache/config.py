@@ -1,0 +1,127 @@
+"""QuantCacheConfig: every option of the quantized cache, validated, round-trippable to a dict.
+
+The defaults are the best quality-per-byte we measured; README "Defaults" says which run chose them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
+SLIDING_MODES = ("native", "quantized")
+ROPE_MODES = ("pre", "post")
+
+__all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES"]
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed values: {list(allowed)}")
+
+
+def _check_nonneg_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative integer")
+
+
+@dataclass
+class QuantCacheConfig:
+    """Options of `QuantCache`.
+
+    Args:
+        bits: sets both `k_bits` and `v_bits` when given.
+        k_bits: bits per stored key value (2, 3, 4 or 8).
+        v_bits: bits per stored value value (2, 3, 4 or 8).
+        k_group_size: tokens per key block; keys get one scale/zero per channel per block. The block being
+            filled is kept in full precision until it is full.
+        v_group_size: channels per value group; values get one scale/zero per token per group of channels.
+        sink_tokens: the first tokens of the cache, kept in full precision (attention sinks).
+        recent_tokens: the most recent tokens kept in full precision, on top of the block being filled.
+        rope: "pre" stores keys before RoPE (RoPE undone on the way in, re-applied on the way out); "post" stores
+            them as attention produced them.
+        sliding_layers: "native" keeps sliding-window layers (bounded by their window) in full precision;
+            "quantized" quantizes them like full-attention layers.
+        scale_dtype: dtype of the stored scales and zero-points.
+
+    Example:
+        >>> QuantCacheConfig(bits=2).k_bits
+        2
+    """
+
+    bits: int | None = None
+    k_bits: int = 4
+    v_bits: int = 4
+    k_group_size: int = 64
+    v_group_size: int = 64
+    sink_tokens: int = 4
+    recent_tokens: int = 32
+    rope: str = "pre"
+    sliding_layers: str = "native"
+    scale_dtype: str = "float16"
+    extra: dict = field(default_factory=dict, repr=False)  # reserved for calibration settings
+
+    def __post_init__(self) -> None:
+        if self.bits is not None:
+            _check_choice("bits", self.bits, SUPPORTED_BITS)
+            self.k_bits = self.v_bits = self.bits
+        _check_choice("k_bits", self.k_bits, SUPPORTED_BITS)
+        _check_choice("v_bits", self.v_bits, SUPPORTED_BITS)
+        for name in ("k_group_size", "v_group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.v_group_size % 8:
+            raise ValueError(f"v_group_size={self.v_group_size} must be a multiple of 8 (bit packing works on 8 values)")
+        _check_nonneg_int("sink_tokens", self.sink_tokens)
+        _check_nonneg_int("recent_tokens", self.recent_tokens)
+        _check_choice("rope", self.rope, ROPE_MODES)
+        _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
+        _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise if the value groups do not tile `head_dim`."""
+        if head_dim % self.v_group_size:
+            divisors = [g for g in range(8, head_dim + 1, 8) if head_dim % g == 0]
+            raise ValueError(
+                f"v_group_size={self.v_group_size} does not divide head_dim={head_dim}; allowed values: {divisors}"
+            )
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("bits")  # folded into k_bits / v_bits
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantCacheConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown QuantCacheConfig options {unknown}; allowed: {sorted(names)}")
+        return cls(**d)
+
+    def full_precision_tokens(self, num_tokens: int) -> int:
+        """Tokens of a `num_tokens`-long sequence that this layout keeps in full precision (worst case of the
+        per-channel block being filled)."""
+        sinks = min(self.sink_tokens, num_tokens)
+        rest = num_tokens - sinks
+        quantized_blocks = max(rest - self.recent_tokens, 0) // self.k_group_size
+        return num_tokens - quantized_blocks * self.k_group_size
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
+                        fp_bytes: int = 2) -> float:
+        """Expected bytes held per token, averaged over `num_tokens`, all layers: packed data + scales/zeros +
+        full-precision tokens + the int32 position kept per token. Matches what `QuantCache.memory()` counts."""
+        self.check_head_dim(head_dim)
+        sb = SCALE_DTYPES[self.scale_dtype]
+        fp = self.full_precision_tokens(num_tokens)
+        q = num_tokens - fp
+        per_head = (
+            q * head_dim * (self.k_bits + self.v_bits) / 8  # packed codes
+            + (q // self.k_group_size) * head_dim * 2 * sb  # key scale+zero per channel per block
+            + q * (head_dim // self.v_group_size) * 2 * sb  # value scale+zero per token per group
+            + fp * head_dim * 2 * fp_bytes  # full-precision K and V
+        )
+        positions = num_tokens * 4  # int32 position per token (per batch row, per layer)
+        return num_layers * (num_kv_heads * per_head + positions) / num_tokens

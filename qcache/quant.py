@@ -1,0 +1,234 @@
+"""Quantization primitives: asymmetric uniform quantization and bit packing. Pure functions, no device defaults.
+
+Conventions
+-----------
+* Codes are unsigned integers in [0, 2**bits - 1]; a value is reconstructed as ``code * scale + zero``.
+* ``scale`` and ``zero`` are stored in a small float dtype (float16 by default). They are chosen *after* rounding to
+  that dtype so that every input of the group still lies inside ``[zero, zero + (2**bits - 1) * scale]``: the error
+  of a round trip is at most half a step (``scale / 2``) plus float rounding.
+* Packing works along the last dimension, 8 values at a time (8 values x b bits = b bytes):
+
+  ===== ============================ ===============
+  bits  values per packed unit       bytes per unit
+  ===== ============================ ===============
+  2     4 per byte                   1
+  3     8 per 3 bytes (24-bit word)  3
+  4     2 per byte                   1
+  8     1 per byte                   1
+  ===== ============================ ===============
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SUPPORTED_BITS
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "PACKERS",
+    "UNPACKERS",
+    "pack",
+    "unpack",
+    "packed_size",
+    "pack_2bit_u8",
+    "unpack_2bit_u8",
+    "pack_3bit_u8",
+    "unpack_3bit_u8",
+    "pack_4bit_u8",
+    "unpack_4bit_u8",
+    "pack_8bit_u8",
+    "unpack_8bit_u8",
+    "choose_qparams",
+    "quantize",
+    "dequantize",
+    "quantize_grouped",
+    "dequantize_grouped",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bit packing (last dimension)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check_last_dim(x: torch.Tensor, multiple: int, bits: int) -> None:
+    if x.shape[-1] % multiple:
+        raise ValueError(f"cannot pack {bits}-bit codes: last dim {x.shape[-1]} is not a multiple of {multiple}")
+
+
+def _shifts(bits: int, count: int, device) -> torch.Tensor:
+    return torch.arange(0, bits * count, bits, device=device, dtype=torch.int32)
+
+
+def pack_2bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """[..., n] uint8 codes < 4 -> [..., n/4] uint8."""
+    _check_last_dim(codes, 4, 2)
+    c = codes.to(torch.int32).view(*codes.shape[:-1], -1, 4)  # [..., n/4, 4]
+    return (c << _shifts(2, 4, codes.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_2bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    """[..., m] uint8 -> [..., 4m] uint8 codes."""
+    p = packed.to(torch.int32).unsqueeze(-1)  # [..., m, 1]
+    return ((p >> _shifts(2, 4, packed.device)) & 3).to(torch.uint8).flatten(-2)
+
+
+def pack_3bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """[..., n] uint8 codes < 8 -> [..., 3n/8] uint8 (each 8 codes form a 24-bit little-endian word)."""
+    _check_last_dim(codes, 8, 3)
+    c = codes.to(torch.int32).view(*codes.shape[:-1], -1, 8)  # [..., n/8, 8]
+    word = (c << _shifts(3, 8, codes.device)).sum(-1, keepdim=True)  # [..., n/8, 1]
+    byte_shifts = torch.tensor([0, 8, 16], device=codes.device, dtype=torch.int32)
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).flatten(-2)  # [..., 3n/8]
+
+
+def unpack_3bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    """[..., 3m] uint8 -> [..., 8m] uint8 codes."""
+    b = packed.to(torch.int32).view(*packed.shape[:-1], -1, 3)  # [..., m, 3]
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # [..., m]
+    return ((word.unsqueeze(-1) >> _shifts(3, 8, packed.device)) & 7).to(torch.uint8).flatten(-2)
+
+
+def pack_4bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """[..., n] uint8 codes < 16 -> [..., n/2] uint8 (low nibble first)."""
+    _check_last_dim(codes, 2, 4)
+    c = codes.view(*codes.shape[:-1], -1, 2)  # [..., n/2, 2]
+    return c[..., 0] | (c[..., 1] << 4)
+
+
+def unpack_4bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    """[..., m] uint8 -> [..., 2m] uint8 codes."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)  # [..., m, 2] -> [..., 2m]
+
+
+def pack_8bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes are their own packing."""
+    return codes.to(torch.uint8)
+
+
+def unpack_8bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    return packed
+
+
+PACKERS = {2: pack_2bit_u8, 3: pack_3bit_u8, 4: pack_4bit_u8, 8: pack_8bit_u8}
+UNPACKERS = {2: unpack_2bit_u8, 3: unpack_3bit_u8, 4: unpack_4bit_u8, 8: unpack_8bit_u8}
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed values: {list(SUPPORTED_BITS)}")
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes that `n` codes of `bits` bits take once packed."""
+    _check_bits(bits)
+    return n * bits // 8
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes along the last dimension."""
+    _check_bits(bits)
+    return PACKERS[bits](codes)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`."""
+    _check_bits(bits)
+    return UNPACKERS[bits](packed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# asymmetric uniform quantization
+# ----------------------------------------------------------------------------------------------------------------
+
+def _round_toward(x: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Tensor:
+    """Cast fp32 `x` to `dtype`, moving one ulp so that the result is <= x (direction=-inf) or >= x (+inf)."""
+    y = x.to(dtype)
+    bad = y.float() > x if direction < 0 else y.float() < x
+    if bool(bad.any()):
+        y = torch.where(bad, torch.nextafter(y, torch.full_like(y, direction)), y)
+    return y
+
+
+def choose_qparams(
+    x_min: torch.Tensor, x_max: torch.Tensor, bits: int, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero (in `scale_dtype`) such that [x_min, x_max] fits in `2**bits` steps after rounding."""
+    _check_bits(bits)
+    qmax = 2**bits - 1
+    x_min = x_min.float()
+    x_max = torch.maximum(x_max.float(), x_min)
+    finfo = torch.finfo(scale_dtype)
+    if bool((x_min < -finfo.max).any()) or bool((x_max > finfo.max).any()):
+        raise ValueError(
+            f"values up to {max(-float(x_min.min()), float(x_max.max())):.3g} overflow scale_dtype={scale_dtype}; "
+            "use scale_dtype='float32'"
+        )
+    zero = _round_toward(x_min, scale_dtype, float("-inf"))
+    # smallest normal step keeps scale > 0 for a constant group
+    scale = ((x_max - zero.float()) / qmax).clamp(min=finfo.tiny)
+    scale = _round_toward(scale, scale_dtype, float("inf"))
+    return scale, zero
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes of `x` (broadcasting scale/zero); values are rounded to the nearest step and clamped."""
+    qmax = 2**bits - 1
+    q = torch.round((x.float() - zero.float()) / scale.float())
+    return q.clamp_(0, qmax).to(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes * scale + zero, computed in fp32, returned in `dtype`."""
+    return torch.addcmul(zero.float(), codes.float(), scale.float()).to(dtype)
+
+
+def _grouped_view(x: torch.Tensor, group_size: int, dim: int) -> tuple[torch.Tensor, int]:
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    if n % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the size {n} of dim {dim}")
+    # [..., n, ...] -> [..., n/g, g, ...]; the group axis is dim + 1
+    return x.unflatten(dim, (n // group_size, group_size)), dim + 1
+
+
+def quantize_grouped(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dim: int,
+    mask: torch.Tensor | None = None,
+    scale_dtype: torch.dtype = torch.float16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize `x` with one scale/zero per group of `group_size` consecutive elements along `dim`.
+
+    Args:
+        mask: optional bool tensor broadcastable to `x`; False entries are left out of the min/max (padding).
+    Returns:
+        codes (uint8, shape of x), scale and zero (shape of x with `dim` of size n/group_size).
+    """
+    _check_bits(bits)
+    xg, gdim = _grouped_view(x.float(), group_size, dim)
+    if mask is None:
+        x_min = xg.amin(gdim)
+        x_max = xg.amax(gdim)
+    else:
+        mg, _ = _grouped_view(mask.expand_as(x), group_size, dim)
+        x_min = xg.masked_fill(~mg, float("inf")).amin(gdim)
+        x_max = xg.masked_fill(~mg, float("-inf")).amax(gdim)
+        empty = ~mg.any(gdim)  # a group made only of padding
+        x_min = x_min.masked_fill(empty, 0.0)
+        x_max = x_max.masked_fill(empty, 0.0)
+    scale, zero = choose_qparams(x_min, x_max, bits, scale_dtype)
+    codes = quantize(xg, scale.unsqueeze(gdim), zero.unsqueeze(gdim), bits).flatten(gdim - 1, gdim)
+    return codes, scale, zero
+
+
+def dequantize_grouped(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, dim: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of `quantize_grouped`."""
+    cg, gdim = _grouped_view(codes, group_size, dim)
+    return dequantize(cg, scale.unsqueeze(gdim), zero.unsqueeze(gdim), dtype).flatten(gdim - 1, gdim)
