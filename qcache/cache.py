@@ -131,10 +131,7 @@ class QuantLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
-        self.cfg.check_head_dim(D)
-        for bits in (self.cfg.k_bits, self.cfg.v_bits):
-            if D % 8:
-                raise ValueError(f"head_dim={D} must be a multiple of 8 to pack {bits}-bit codes")
+        self.v_group = self.cfg.value_group_size(D)
         self.dtype, self.device = key_states.dtype, key_states.device
         dev = self.device
 
@@ -147,7 +144,7 @@ class QuantLayer(CacheLayerMixin):
         self.vq = empty(B, H, 0, D * self.cfg.v_bits // 8, dtype=torch.uint8)
         self.k_scale = empty(B, H, 0, D, dtype=self.scale_dtype)
         self.k_zero = empty(B, H, 0, D, dtype=self.scale_dtype)
-        ng = D // self.cfg.v_group_size
+        ng = D // self.v_group
         self.v_scale = empty(B, H, 0, ng, dtype=self.scale_dtype)
         self.v_zero = empty(B, H, 0, ng, dtype=self.scale_dtype)
         self.q_pos = empty(B, 0, dtype=torch.int32)
@@ -224,7 +221,7 @@ class QuantLayer(CacheLayerMixin):
             k = self.rope.undo(k, p, self.layer_idx)  # fp32, pre-RoPE
         k_codes, k_scale, k_zero = quantize_grouped(k, self.cfg.k_bits, G, dim=2, mask=valid,
                                                     scale_dtype=self.scale_dtype)
-        v_codes, v_scale, v_zero = quantize_grouped(v, self.cfg.v_bits, self.cfg.v_group_size, dim=3,
+        v_codes, v_scale, v_zero = quantize_grouped(v, self.cfg.v_bits, self.v_group, dim=3,
                                                     scale_dtype=self.scale_dtype)
         self.kq = torch.cat([self.kq, pack(k_codes, self.cfg.k_bits)], dim=2)
         self.vq = torch.cat([self.vq, pack(v_codes, self.cfg.v_bits)], dim=2)
@@ -275,7 +272,7 @@ class QuantLayer(CacheLayerMixin):
             return self.vq.new_empty(*self.vq.shape[:2], 0, self.res_v.shape[-1], dtype=self.dtype)
         codes = unpack(self.vq, self.cfg.v_bits)  # [B, H, Tq, D]
         B, H, Tq, D = codes.shape
-        g = self.cfg.v_group_size
+        g = self.v_group
         # [B, H, Tq, D] -> [B, H, Tq, D/g, g] to broadcast one scale per group
         v = dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1), self.v_zero.unsqueeze(-1))
         return v.view(B, H, Tq, D).to(self.dtype)

@@ -37,6 +37,7 @@ class QuantCacheConfig:
         k_group_size: tokens per key block; keys get one scale/zero per channel per block. The block being
             filled is kept in full precision until it is full.
         v_group_size: channels per value group; values get one scale/zero per token per group of channels.
+            None: the largest multiple of 8 up to 64 that divides head_dim.
         sink_tokens: the first tokens of the cache, kept in full precision (attention sinks).
         recent_tokens: the most recent tokens kept in full precision, on top of the block being filled.
         rope: "pre" stores keys before RoPE (RoPE undone on the way in, re-applied on the way out); "post" stores
@@ -54,7 +55,7 @@ class QuantCacheConfig:
     k_bits: int = 4
     v_bits: int = 4
     k_group_size: int = 64
-    v_group_size: int = 64
+    v_group_size: int | None = None
     sink_tokens: int = 4
     recent_tokens: int = 32
     rope: str = "pre"
@@ -70,9 +71,11 @@ class QuantCacheConfig:
         _check_choice("v_bits", self.v_bits, SUPPORTED_BITS)
         for name in ("k_group_size", "v_group_size"):
             value = getattr(self, name)
+            if value is None and name == "v_group_size":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.v_group_size % 8:
+        if self.v_group_size is not None and self.v_group_size % 8:
             raise ValueError(f"v_group_size={self.v_group_size} must be a multiple of 8 (bit packing works on 8 values)")
         _check_nonneg_int("sink_tokens", self.sink_tokens)
         _check_nonneg_int("recent_tokens", self.recent_tokens)
@@ -80,13 +83,22 @@ class QuantCacheConfig:
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
         _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
 
-    def check_head_dim(self, head_dim: int) -> None:
-        """Raise if the value groups do not tile `head_dim`."""
+    def value_group_size(self, head_dim: int) -> int:
+        """The value group size used for `head_dim` (raises if it does not tile head_dim)."""
+        divisors = [g for g in range(8, head_dim + 1, 8) if head_dim % g == 0]
+        if head_dim % 8 or not divisors:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack codes")
+        if self.v_group_size is None:
+            return max(g for g in divisors if g <= 64) if min(divisors) <= 64 else min(divisors)
         if head_dim % self.v_group_size:
-            divisors = [g for g in range(8, head_dim + 1, 8) if head_dim % g == 0]
             raise ValueError(
                 f"v_group_size={self.v_group_size} does not divide head_dim={head_dim}; allowed values: {divisors}"
             )
+        return self.v_group_size
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise if the value groups do not tile `head_dim`."""
+        self.value_group_size(head_dim)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -120,7 +132,7 @@ class QuantCacheConfig:
         per_head = (
             q * head_dim * (self.k_bits + self.v_bits) / 8  # packed codes
             + (q // self.k_group_size) * head_dim * 2 * sb  # key scale+zero per channel per block
-            + q * (head_dim // self.v_group_size) * 2 * sb  # value scale+zero per token per group
+            + q * (head_dim // self.value_group_size(head_dim)) * 2 * sb  # value scale+zero per token per group
             + fp * head_dim * 2 * fp_bytes  # full-precision K and V
         )
         positions = num_tokens * 4  # int32 position per token (per batch row, per layer)

@@ -1,0 +1,38 @@
+"""Tiny random models built in the tests (no downloads)."""
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, max_position_embeddings=1024, initializer_range=0.05, pad_token_id=0, eos_token_id=None,
+              bos_token_id=1)
+
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **COMMON)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(num_hidden_layers=2, sliding_window=None, **COMMON)),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=24, query_pre_attn_scalar=32, **{**COMMON, "num_key_value_heads": 1})),
+}
+
+
+def make_model(family: str, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    model = FAMILIES[family]().eval()
+    return model.to(dtype)
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param

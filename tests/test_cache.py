@@ -1,0 +1,297 @@
+"""QuantCache on tiny random Llama / Qwen3 / Mistral / Gemma 3 models: every way generate uses a cache."""
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+from conftest import make_model
+from qcache import QuantCache, QuantCacheConfig
+from qcache.cache import QuantLayer
+from qcache.rope import RopeHelper
+
+# small blocks so that short prompts exercise sinks, quantized blocks and the residual
+OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# max |logit error| of the 8-bit cache, as a fraction of the logits' std (bf16 adds its own rounding)
+TOL_8BIT = {torch.float32: 0.05, torch.bfloat16: 0.1}
+
+
+def prompt(n, batch=1, seed=1):
+    return torch.randint(2, 96, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids, cache, **kw):
+    with torch.no_grad():
+        return model(ids, cache=cache, use_cache=True, **kw).logits.float()
+
+
+def assert_greedy_agrees(model, seq, prompt_len, tol=0.05):
+    """Each greedy token chosen through the cache is DynamicCache's argmax on the same prefix, except where
+    DynamicCache's top-2 margin is within `tol` x logits std (a near tie that the 8-bit error may flip)."""
+    ref = logits(model, seq, DynamicCache(config=model.config))[0, prompt_len - 1:-1]  # [new, vocab]
+    chosen = seq[0, prompt_len:]
+    top2 = ref.topk(2, dim=-1).values
+    near_tie = (top2[:, 0] - top2[:, 1]) <= tol * ref.std()
+    agree = ref.argmax(-1) == chosen
+    assert bool((agree | near_tie).all()), (agree, near_tie)
+    assert agree.float().mean() > 0.7
+
+
+def generate(model, ids, cache, **kw):
+    kw.setdefault("max_new_tokens", 12)
+    kw.setdefault("do_sample", False)
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, pad_token_id=0, **kw)
+
+
+def test_users_example_as_written():
+    """`model.generate(..., past_key_values=QuantCache(bits=4))`: no config given, the cache finds it."""
+    model = make_model("llama")
+    cache = QuantCache(bits=4)
+    with torch.no_grad(), pytest.warns(FutureWarning):  # transformers renamed the argument to `cache`
+        out = model.generate(prompt(200), past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 205)
+    assert cache.memory().packed > 0 and len(cache.layers) == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_8bit_forward_near_lossless(family, dtype):
+    model = make_model(family, dtype)
+    ids = prompt(150)
+    ref = logits(model, ids, DynamicCache(config=model.config))
+    cache = QuantCache(bits=8, **OPTS)
+    out = logits(model, ids, cache)
+    assert cache.memory().packed > 0  # the quantized path was taken
+    assert (out - ref).abs().max() <= TOL_8BIT[dtype] * ref.std()
+
+
+def test_error_grows_as_bits_shrink(family):
+    model = make_model(family)
+    ids = prompt(150)
+    ref = logits(model, ids, DynamicCache(config=model.config))
+    errs = [float((logits(model, ids, QuantCache(bits=b, **OPTS)) - ref).pow(2).mean()) for b in (8, 4, 3, 2)]
+    assert errs == sorted(errs) and errs[0] < errs[-1] / 100, errs
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_greedy_8bit_matches_dynamic(family, dtype):
+    model = make_model(family, dtype)
+    ids = prompt(60)
+    cache = QuantCache(bits=8, **OPTS)
+    out = generate(model, ids, cache, max_new_tokens=20)
+    assert_greedy_agrees(model, out, 60, TOL_8BIT[dtype])
+    assert cache.get_seq_length() == out.shape[1] - 1  # the last token is never fed back
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_sampling(family, bits):
+    model = make_model(family)
+    cache = QuantCache(bits=bits, **OPTS)
+    torch.manual_seed(0)
+    out = generate(model, prompt(40), cache, do_sample=True, top_k=20, temperature=0.9, max_new_tokens=30)
+    assert out.shape == (1, 70)
+    assert cache.get_seq_length() == 69
+    assert cache.memory().packed > 0
+
+
+def test_beam_search_8bit_matches_dynamic(family):
+    model = make_model(family)
+    ids = prompt(50)
+    out = generate(model, ids, QuantCache(bits=8, **OPTS), num_beams=3, max_new_tokens=16)
+    ref = generate(model, ids, DynamicCache(config=model.config), num_beams=3, max_new_tokens=16)
+    assert torch.equal(out, ref)
+
+
+def test_beam_reorder_moves_codes_without_requantizing():
+    model = make_model("llama")
+    cache = QuantCache(bits=4, **OPTS)
+    logits(model, prompt(60, batch=3), cache)
+    layer = cache.layers[0]
+    kq, k_scale, vq = layer.kq.clone(), layer.k_scale.clone(), layer.vq.clone()
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    assert torch.equal(layer.kq, kq[beam_idx]) and torch.equal(layer.k_scale, k_scale[beam_idx])
+    assert torch.equal(layer.vq, vq[beam_idx])
+
+
+@pytest.mark.parametrize("bits,tol", [(8, 0.05), (4, 0.5)])
+def test_left_padded_batch_rows_match_alone(family, bits, tol):
+    model = make_model(family)
+    lengths = [70, 45, 58]
+    rows = [prompt(n, seed=i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, cache=QuantCache(bits=bits, **OPTS),
+                               max_new_tokens=1, do_sample=False, pad_token_id=0, output_logits=True,
+                               return_dict_in_generate=True).logits[0]
+        for i, r in enumerate(rows):
+            alone = model(r[None], cache=QuantCache(bits=bits, **OPTS), use_cache=True).logits[0, -1]
+            ref = model(r[None], use_cache=False).logits[0, -1]
+            assert (batch[i] - alone).abs().max() <= tol * ref.std(), (i, float((batch[i] - alone).abs().max()))
+
+
+def test_padding_never_enters_key_statistics():
+    model = make_model("llama")
+    rope = RopeHelper(model.config)
+    cfg = QuantCacheConfig(bits=4, k_group_size=16, v_group_size=16, sink_tokens=0, recent_tokens=0)
+    k = torch.randn(2, 2, 32, 32)
+    v = torch.randn(2, 2, 32, 32)
+    pos = torch.arange(32).expand(2, 32).clone()
+    k_pad, pos_pad = k.clone(), pos.clone()
+    k_pad[1, :, :5] = 1e3  # row 1: five pad tokens with huge keys, positions 0 like transformers gives them
+    pos_pad[1, :5] = 0
+    pos_pad[1, 5:] = torch.arange(27)
+    padded, clean = QuantLayer(cfg, 0, rope), QuantLayer(cfg, 0, rope)
+    padded.update(k_pad, v, kwargs={"position_ids": pos_pad})
+    clean.update(k, v, kwargs={"position_ids": pos})
+    assert padded.q_pos[1, :5].eq(-1).all()
+    assert padded.k_scale[1].abs().max() < 1.0  # a pad in the statistics would give scales ~ 1e3 / 15
+    assert torch.equal(padded.k_scale[0], clean.k_scale[0])
+
+
+def test_continue_conversation_on_same_cache(family):
+    model = make_model(family)
+    cache = QuantCache(bits=8, **OPTS)
+    first = generate(model, prompt(40), cache, max_new_tokens=10)
+    follow_up = torch.cat([first, prompt(15, seed=7)], dim=1)
+    second = generate(model, follow_up, cache, max_new_tokens=10)
+    assert torch.equal(second[:, :follow_up.shape[1]], follow_up)
+    assert_greedy_agrees(model, second, follow_up.shape[1])
+    assert cache.get_seq_length() == second.shape[1] - 1
+
+
+@pytest.mark.parametrize("remove", [3, 20, 60])
+def test_crop(remove):
+    """Crop into the residual, through a quantized block and into the sinks; the cache keeps working."""
+    model = make_model("llama")
+    ids = prompt(62)
+    cache = QuantCache(bits=8, **OPTS)
+    logits(model, ids, cache)
+    cache.crop(-remove)
+    kept = 62 - remove
+    assert cache.get_seq_length() == kept
+    layer = cache.layers[0]
+    assert layer.kq.shape[2] == sum(layer.block_lens) == layer.q_pos.shape[1]
+    nxt = ids[:, kept:kept + 1]
+    out = logits(model, nxt, cache)
+    ref = logits(model, ids[:, :kept + 1], DynamicCache(config=model.config))[:, -1:]
+    assert (out - ref).abs().max() <= 0.05 * ref.std()
+    assert cache.get_seq_length() == kept + 1
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(5)
+
+
+def test_reset_then_reuse_is_exact(family):
+    model = make_model(family)
+    ids = prompt(50)
+    cache = QuantCache(bits=4, **OPTS)
+    first = logits(model, ids, cache)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    assert torch.equal(logits(model, ids, cache), first)
+
+
+def test_update_returns_what_is_stored_and_never_requantizes():
+    model = make_model("llama")
+    cache = QuantCache(bits=4, **OPTS)
+    ids = prompt(80)
+    logits(model, ids[:, :50], cache)
+    layer = cache.layers[1]
+    kq, k_scale, vq, v_scale = (t.clone() for t in (layer.kq, layer.k_scale, layer.vq, layer.v_scale))
+    keys_before = torch.cat([layer.sink_k, layer._dequantized_keys()], dim=2)
+    logits(model, ids[:, 50:], cache)  # more tokens: new blocks are appended, old ones untouched
+    n = kq.shape[2]
+    assert layer.kq.shape[2] > n
+    assert torch.equal(layer.kq[:, :, :n], kq) and torch.equal(layer.vq[:, :, :n], vq)
+    assert torch.equal(layer.k_scale[:, :, :k_scale.shape[2]], k_scale)
+    assert torch.equal(layer.v_scale[:, :, :n], v_scale)
+    # what attention got back for the old tokens is exactly what the cache still holds
+    new_k = torch.randn(1, 2, 1, 32)
+    keys, _ = layer.update(new_k, torch.randn(1, 2, 1, 32), kwargs={"position_ids": torch.tensor([[80]])})
+    torch.testing.assert_close(keys[:, :, :keys_before.shape[2]], keys_before, rtol=0, atol=0)
+    assert torch.equal(keys[:, :, -1:], new_k)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_memory_counts_really_packed_storage(bits):
+    model = make_model("llama")
+    cache = QuantCache(bits=bits, **OPTS)
+    logits(model, prompt(150), cache)
+    mem = cache.memory()
+    layer = cache.layers[0]
+    tq = layer.kq.shape[2]
+    assert tq == (150 - 2 - 4) // 16 * 16
+    heads, head_dim, layers = 2, 32, 2
+    assert mem.packed == layers * heads * tq * head_dim * 2 * bits // 8  # K and V, bits/8 bytes per value
+    assert mem.full_precision == layers * heads * (150 - tq) * head_dim * 2 * 4  # fp32 model
+    assert mem.tokens == 150
+    expected = QuantCacheConfig(bits=bits, **OPTS, scale_dtype="float16").bytes_per_token(
+        layers, heads, head_dim, 150, fp_bytes=4) * 150
+    assert mem.total == pytest.approx(expected)
+
+
+def test_quantized_sliding_layers():
+    model = make_model("gemma3")
+    ids = prompt(100)  # longer than the window of 24
+    cache = QuantCache(bits=8, sliding_layers="quantized", **OPTS)
+    out = generate(model, ids, cache, max_new_tokens=30)
+    assert_greedy_agrees(model, out, 100)
+    sliding = cache.layers[0]
+    assert isinstance(sliding, QuantLayer) and sliding.is_sliding
+    assert sliding.stored_length() < 24 + OPTS["k_group_size"]  # bounded by the window, not the context
+    native = QuantCache(bits=8, **OPTS)
+    generate(model, ids, native, max_new_tokens=30)
+    assert not isinstance(native.layers[0], QuantLayer)
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"bits": 5}, r"bits=5.*\[2, 3, 4, 8\]"),
+    ({"k_bits": 1}, r"k_bits=1.*\[2, 3, 4, 8\]"),
+    ({"v_bits": 16}, r"v_bits=16.*\[2, 3, 4, 8\]"),
+    ({"k_group_size": 0}, "k_group_size=0"),
+    ({"v_group_size": 12}, "v_group_size=12"),
+    ({"sliding_layers": "fp8"}, r"sliding_layers='fp8'.*native"),
+    ({"rope": "none"}, r"rope='none'.*pre"),
+])
+def test_bad_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantCache(**kwargs)
+
+
+def test_group_size_that_does_not_fit_head_dim():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=r"v_group_size=64 does not divide head_dim=32.*\[8, 16, 32\]"):
+        logits(model, prompt(10), QuantCache(bits=4, v_group_size=64))
+
+
+def test_model_without_rope_raises():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=96)).eval()
+    with pytest.raises(ValueError, match="gpt2.*rope='post'"):
+        QuantCache(model.config, bits=4)
+    with pytest.raises(ValueError, match="gpt2.*rope='post'"):
+        logits(model, prompt(10), QuantCache(bits=4))
+
+
+def test_cache_reused_with_another_model_raises():
+    llama, qwen = make_model("llama"), make_model("qwen3")
+    cache = QuantCache(bits=4, **OPTS)
+    logits(llama, prompt(30), cache)
+    with pytest.raises(ValueError, match="another model.*model_type"):
+        logits(qwen, prompt(5), cache)
+    explicit = QuantCache(llama.config, bits=4, **OPTS)
+    with pytest.raises(ValueError, match="another model"):
+        logits(qwen, prompt(5), explicit)
+
+
+def test_direct_update_without_config_names_the_fix():
+    cache = QuantCache(bits=4)
+    with pytest.raises(ValueError, match=r"QuantCache\(model.config"):
+        cache.update(torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32), 0)

@@ -1,0 +1,87 @@
+"""qcache.rope: undo -> redo is the identity, and our rotation is the model's."""
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, Phi3Config
+
+from qcache.rope import RopeHelper
+
+HEAD_DIM = 32
+
+
+def llama(rope_parameters):
+    return LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                       num_hidden_layers=2, max_position_embeddings=256, rope_parameters=rope_parameters)
+
+
+ROPE_CONFIGS = {
+    "default": lambda: llama({"rope_type": "default", "rope_theta": 10000.0}),
+    "linear": lambda: llama({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "dynamic": lambda: llama({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    "yarn": lambda: llama({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 64}),
+    "longrope": lambda: llama({"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 64,
+                               "short_factor": [1.0] * (HEAD_DIM // 2), "long_factor": [2.0] * (HEAD_DIM // 2)}),
+    "llama3": lambda: llama({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "gemma3-per-layer-type": lambda: Gemma3TextConfig(
+        hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM, num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),
+    "phi3-partial-rotary": lambda: Phi3Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                              num_hidden_layers=2, partial_rotary_factor=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_CONFIGS))
+def test_undo_redo_identity(name):
+    config = ROPE_CONFIGS[name]()
+    rope = RopeHelper(config)
+    gen = torch.Generator().manual_seed(0)
+    head_dim = rope.head_dim
+    x = torch.randn(2, 3, 40, head_dim, generator=gen)
+    # per-row positions, as in a left-padded batch; past the original context for yarn/longrope/dynamic
+    pos = torch.stack([torch.arange(100, 140), torch.arange(0, 40)])
+    for layer_idx in range(config.num_hidden_layers):
+        rotated = rope.redo(x, pos, layer_idx)
+        assert not torch.allclose(rotated, x)
+        back = rope.undo(rotated, pos, layer_idx)
+        rel = (back - x).norm() / x.norm()
+        assert rel < 1e-5, (name, layer_idx, float(rel))
+
+
+def test_partial_rotary_passes_tail_through():
+    config = ROPE_CONFIGS["phi3-partial-rotary"]()
+    rope = RopeHelper(config)
+    x = torch.randn(1, 1, 4, rope.head_dim)
+    out = rope.redo(x, torch.arange(4).unsqueeze(0) + 3, 0)
+    half = rope.head_dim // 2
+    assert torch.equal(out[..., half:], x[..., half:])
+    assert not torch.allclose(out[..., :half], x[..., :half])
+
+
+def test_gemma3_layer_types_rotate_differently():
+    rope = RopeHelper(ROPE_CONFIGS["gemma3-per-layer-type"]())
+    x = torch.randn(1, 1, 4, HEAD_DIM)
+    pos = torch.arange(50, 54).unsqueeze(0)
+    assert not torch.allclose(rope.redo(x, pos, 0), rope.redo(x, pos, 1))
+
+
+def test_matches_model_rotation():
+    """redo() must reproduce what LlamaAttention does to keys (apply_rotary_pos_emb with the model's cos/sin)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = ROPE_CONFIGS["llama3"]()
+    x = torch.randn(2, 2, 8, HEAD_DIM)
+    pos = torch.arange(8).unsqueeze(0).expand(2, 8) + torch.tensor([[0], [30]])
+    cos, sin = LlamaRotaryEmbedding(config)(x, pos)
+    _, expected = apply_rotary_pos_emb(x, x, cos, sin)
+    got = RopeHelper(config).redo(x, pos, 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_model_without_rope_raises():
+    with pytest.raises(ValueError, match="gpt2.*rope='post'"):
+        RopeHelper(GPT2Config(n_layer=1, n_embd=32, n_head=2))
