@@ -61,12 +61,17 @@ def measure_memory(name: str, bits_list: list[int], context: int, chunk: int) ->
 
 
 def measure_perplexity(name: str, specs: list[tuple[str, int | None]], num_seqs: int, seq_len: int, chunk: int,
-                       dtype: torch.dtype) -> list[dict]:
+                       dtype: torch.dtype, done: list[dict], save) -> list[dict]:
+    """Rows already in `done` (same settings, from an interrupted run) are kept; `save(rows)` after each row."""
     model, tok = load_model(name, dtype=dtype)
     ids = token_sequences(tok, "eval", num_seqs, seq_len)
     rows = []
     for kind, bits in tqdm(specs, desc="caches"):
         label = cache_label(kind, bits)
+        previous = next((r for r in done if r["cache"] == label and "ppl" in r), None)
+        if previous is not None:
+            rows.append(previous)
+            continue
         try:
             make = lambda: build_cache(kind, model.config, bits)  # noqa: E731
             make()
@@ -79,10 +84,7 @@ def measure_perplexity(name: str, specs: list[tuple[str, int | None]], num_seqs:
         rows.append({"cache": label, "kind": kind, "bits": bits, "nll_sum": nll, "tokens": count,
                      "ppl": float(torch.tensor(nll / count).exp()), "seconds": time.perf_counter() - t0})
         log.info("%s: ppl %.4f", label, rows[-1]["ppl"])
-    base = next(r["ppl"] for r in rows if r["kind"] == "default")
-    for r in rows:
-        if "ppl" in r:
-            r["delta_pct"] = 100.0 * (r["ppl"] / base - 1.0)
+        save(rows)
     return rows
 
 
@@ -136,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--chunk", type=int, default=256, help="tokens fed per forward")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype for perplexity")
+    p.add_argument("--resume", action="store_true",
+                   help="keep rows (and, with --mem-bits given empty, the memory table) of an earlier run of the "
+                        "same settings found in --out, and measure only the missing ones")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(0)

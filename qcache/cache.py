@@ -29,8 +29,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from .config import QuantCacheConfig
-from .quant import dequantize, pack, quantize_grouped, unpack
+from .config import CLIP_RATIOS, QuantCacheConfig
+from .calibfile import CalibrationData, load_calibration
+from .quant import dequantize, pack, quantize, quantize_grouped, unpack
 from .rope import RopeHelper, modeling_module_of
 
 __all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]
@@ -106,15 +107,29 @@ class QuantLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, cfg: QuantCacheConfig, layer_idx: int, rope: RopeHelper | None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, calibration: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.cfg = cfg
+        calibration = calibration or {}
+        self.k_codebook = calibration.get("k_codebook") if cfg.codebooks else None
+        self.v_codebook = calibration.get("v_codebook") if cfg.codebooks else None
+        for name, cb, bits in (("k_codebook", self.k_codebook, cfg.k_bits), ("v_codebook", self.v_codebook, cfg.v_bits)):
+            if cb is not None and cb.numel() != 2**bits:
+                raise ValueError(f"layer {layer_idx}: calibrated {name} has {cb.numel()} levels but {bits} bits "
+                                 f"need {2**bits}; calibrate for these bits or pass codebooks=False")
+        self.k_static = None
+        if cfg.static_keys:
+            if "k_static_zero" not in calibration:
+                raise ValueError(f"static_keys=True needs a calibration file with static key ranges (layer "
+                                 f"{layer_idx} has none); allowed without one: static_keys=False")
+            self.k_static = (calibration["k_static_zero"], calibration["k_static_scale"])  # [H, D] each
         self.layer_idx = layer_idx
         self.rope = rope
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
         self.scale_dtype = _SCALE_DTYPES[cfg.scale_dtype]
+        self.clip_ratios = CLIP_RATIOS if cfg.clip_search else (1.0,)
         self._clear()
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -211,7 +226,7 @@ class QuantLayer(CacheLayerMixin):
 
     def _flush(self) -> None:
         """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` in full precision."""
-        G = self.cfg.k_group_size
+        G = 1 if self.k_static is not None else self.cfg.k_group_size
         n = (self.res_k.shape[2] - self.cfg.recent_tokens) // G * G
         if n <= 0:
             return
@@ -219,10 +234,17 @@ class QuantLayer(CacheLayerMixin):
         valid = (p >= 0)[:, None, :, None]  # [B, 1, n, 1]: padding stays out of the statistics
         if self.rope is not None:
             k = self.rope.undo(k, p, self.layer_idx)  # fp32, pre-RoPE
-        k_codes, k_scale, k_zero = quantize_grouped(k, self.cfg.k_bits, G, dim=2, mask=valid,
-                                                    scale_dtype=self.scale_dtype)
+        if self.k_static is not None:
+            zero, scale = (t.to(k.device)[None, :, None, :] for t in self.k_static)  # [1, H, 1, D]
+            k_codes = quantize(k, scale, zero, self.cfg.k_bits, self.k_codebook)
+            k_scale = k_zero = self.k_scale[:, :, :0]  # no per-block key scales
+        else:
+            k_codes, k_scale, k_zero = quantize_grouped(k, self.cfg.k_bits, G, dim=2, mask=valid,
+                                                        scale_dtype=self.scale_dtype, codebook=self.k_codebook,
+                                                        clip_ratios=self.clip_ratios)
         v_codes, v_scale, v_zero = quantize_grouped(v, self.cfg.v_bits, self.v_group, dim=3,
-                                                    scale_dtype=self.scale_dtype)
+                                                    scale_dtype=self.scale_dtype, codebook=self.v_codebook,
+                                                    clip_ratios=self.clip_ratios)
         self.kq = torch.cat([self.kq, pack(k_codes, self.cfg.k_bits)], dim=2)
         self.vq = torch.cat([self.vq, pack(v_codes, self.cfg.v_bits)], dim=2)
         self.k_scale = torch.cat([self.k_scale, k_scale], dim=2)
@@ -230,13 +252,19 @@ class QuantLayer(CacheLayerMixin):
         self.v_scale = torch.cat([self.v_scale, v_scale], dim=2)
         self.v_zero = torch.cat([self.v_zero, v_zero], dim=2)
         self.q_pos = torch.cat([self.q_pos, p], dim=1)
-        self.block_lens.extend([G] * (n // G))
+        if self.k_static is None:
+            self.block_lens.extend([G] * (n // G))
         self.res_k, self.res_v, self.res_pos = (
             self.res_k[:, :, n:].clone(), self.res_v[:, :, n:].clone(), self.res_pos[:, n:].clone())
 
     def _evict(self) -> None:
         """Sliding layers: drop whole quantized blocks that no future query can see."""
         keep = self.sliding_window - 1
+        if self.k_static is not None:  # token-granular: drop the oldest quantized tokens
+            drop = min(max(self.stored_length() - keep, 0), self.kq.shape[2])
+            for name in ("kq", "vq", "v_scale", "v_zero"):
+                setattr(self, name, getattr(self, name)[:, :, drop:])
+            self.q_pos = self.q_pos[:, drop:]
         while self.block_lens and self.stored_length() - self.block_lens[0] >= keep:
             n = self.block_lens.pop(0)
             for name in ("kq", "vq", "v_scale", "v_zero"):
@@ -244,7 +272,7 @@ class QuantLayer(CacheLayerMixin):
             self.k_scale, self.k_zero = self.k_scale[:, :, 1:], self.k_zero[:, :, 1:]
             self.q_pos = self.q_pos[:, n:]
         surplus = self.stored_length() - keep
-        if not self.block_lens and surplus > 0:  # only full-precision tokens left: trim them exactly
+        if self.kq.shape[2] == 0 and surplus > 0:  # only full-precision tokens left: trim them exactly
             self.res_k, self.res_v = self.res_k[:, :, surplus:], self.res_v[:, :, surplus:]
             self.res_pos = self.res_pos[:, surplus:]
 
@@ -262,7 +290,12 @@ class QuantLayer(CacheLayerMixin):
         if self.kq.shape[2] == 0:
             return self.kq.new_empty(*self.kq.shape[:2], 0, self.res_k.shape[-1], dtype=self.dtype)
         codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
-        k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero))
+        if self.k_static is not None:
+            zero, scale = (t.to(codes.device)[None, :, None, :] for t in self.k_static)  # [1, H, 1, D]
+            k = dequantize(codes, scale, zero, codebook=self.k_codebook)
+        else:
+            k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
+                           codebook=self.k_codebook)
         if self.rope is not None:
             k = self.rope.redo(k, self.q_pos, self.layer_idx)
         return k.to(self.dtype)
@@ -274,7 +307,8 @@ class QuantLayer(CacheLayerMixin):
         B, H, Tq, D = codes.shape
         g = self.v_group
         # [B, H, Tq, D] -> [B, H, Tq, D/g, g] to broadcast one scale per group
-        v = dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1), self.v_zero.unsqueeze(-1))
+        v = dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1), self.v_zero.unsqueeze(-1),
+                       codebook=self.v_codebook)
         return v.view(B, H, Tq, D).to(self.dtype)
 
     # -- transformers' layer contract ------------------------------------------------------------------------
@@ -337,7 +371,7 @@ class QuantLayer(CacheLayerMixin):
             for name in ("kq", "vq", "v_scale", "v_zero"):
                 setattr(self, name, getattr(self, name)[:, :, :end].clone())
             self.q_pos = self.q_pos[:, :end].clone()
-            left = q
+            left = q if self.k_static is None else 0
             while left:
                 take = min(left, self.block_lens[-1])
                 self.block_lens[-1] -= take
@@ -401,11 +435,24 @@ class QuantCache(Cache):
         >>> cache.memory().total                                                    # doctest: +SKIP
     """
 
-    def __init__(self, config=None, *, options: QuantCacheConfig | None = None, **kwargs):
+    def __init__(self, config=None, *, options: QuantCacheConfig | None = None,
+                 calibration: "str | CalibrationData | None" = None, **kwargs):
         if options is not None and kwargs:
             raise ValueError(f"pass either options= or keyword options, not both (got {sorted(kwargs)})")
+        if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
+            calibration = load_calibration(calibration)
+        self.calibration: CalibrationData | None = calibration
         if options is None:
-            options = QuantCacheConfig(**{k: v for k, v in kwargs.items() if v is not None})
+            given = {k: v for k, v in kwargs.items() if v is not None}
+            if calibration is not None:  # the file's options, overridden by what the caller passes
+                base = QuantCacheConfig.from_dict(calibration.options).to_dict()
+                if "bits" in given:
+                    base.pop("k_bits"), base.pop("v_bits")
+                given = {**base, **given}
+            options = QuantCacheConfig(**given)
+        if options.static_keys and calibration is None:
+            raise ValueError("static_keys=True needs a calibration file (calibration=path); allowed without one: "
+                             "static_keys=False")
         self.options = options
         super().__init__(layers=[])
         self._fingerprint: dict | None = None
@@ -416,22 +463,31 @@ class QuantCache(Cache):
             self._bind(config.get_text_config(decoder=True), modeling_module=None, prefix=None)
 
     # -- binding to a model ----------------------------------------------------------------------------------
+    @classmethod
+    def from_calibration(cls, path, config=None, **overrides) -> "QuantCache":
+        """A cache using everything a `python -m qcache.calibrate` file holds (options, codebooks, static key
+        ranges); `overrides` change options (e.g. `static_keys=False`)."""
+        return cls(config, calibration=path, **overrides)
+
     def _bind(self, text_config, modeling_module, prefix, config_obj=None) -> None:
         fingerprint = model_fingerprint(text_config)
+        if self.calibration is not None:
+            self.calibration.check_model(fingerprint)
         rope = None
         if self.options.rope == "pre":
             rope = RopeHelper(text_config, modeling_module=modeling_module, prefix=prefix)
         layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
         layers = []
         for idx, layer_type in enumerate(layer_types):
+            calib = self.calibration.layer(idx) if self.calibration is not None else None
             if layer_type == "full_attention":
-                layers.append(QuantLayer(self.options, idx, rope))
+                layers.append(QuantLayer(self.options, idx, rope, calibration=calib))
             elif layer_type == "sliding_attention":
                 window = text_config.sliding_window
                 if self.options.sliding_layers == "native":
                     layers.append(DynamicSlidingWindowLayer(sliding_window=window))
                 else:
-                    layers.append(QuantLayer(self.options, idx, rope, sliding_window=window))
+                    layers.append(QuantLayer(self.options, idx, rope, sliding_window=window, calibration=calib))
             else:
                 raise ValueError(
                     f"layer {idx} of model_type={fingerprint['model_type']!r} has layer type {layer_type!r}; "

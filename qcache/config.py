@@ -6,12 +6,13 @@ The defaults are the best quality-per-byte we measured; README "Defaults" says w
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
 SLIDING_MODES = ("native", "quantized")
 ROPE_MODES = ("pre", "post")
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 
 __all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES"]
 
@@ -45,6 +46,11 @@ class QuantCacheConfig:
         sliding_layers: "native" keeps sliding-window layers (bounded by their window) in full precision;
             "quantized" quantizes them like full-attention layers.
         scale_dtype: dtype of the stored scales and zero-points.
+        clip_search: per group, try ranges shrunk to CLIP_RATIOS of [min, max] and keep the one with the least
+            squared error (costs time when tokens are quantized, nothing when they are read).
+        codebooks: with a calibration file, use its non-uniform per-layer codebooks (else uniform levels).
+        static_keys: with a calibration file, use its static per-channel pre-RoPE key ranges: keys are quantized
+            as they arrive (no full-precision block, no per-block key scales).
 
     Example:
         >>> QuantCacheConfig(bits=2).k_bits
@@ -61,7 +67,9 @@ class QuantCacheConfig:
     rope: str = "pre"
     sliding_layers: str = "native"
     scale_dtype: str = "float16"
-    extra: dict = field(default_factory=dict, repr=False)  # reserved for calibration settings
+    clip_search: bool = False
+    codebooks: bool = True
+    static_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.bits is not None:
@@ -82,6 +90,8 @@ class QuantCacheConfig:
         _check_choice("rope", self.rope, ROPE_MODES)
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
         _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
+        for name in ("clip_search", "codebooks", "static_keys"):
+            _check_choice(name, getattr(self, name), (True, False))
 
     def value_group_size(self, head_dim: int) -> int:
         """The value group size used for `head_dim` (raises if it does not tile head_dim)."""
@@ -117,9 +127,9 @@ class QuantCacheConfig:
         """Tokens of a `num_tokens`-long sequence that this layout keeps in full precision (worst case of the
         per-channel block being filled)."""
         sinks = min(self.sink_tokens, num_tokens)
-        rest = num_tokens - sinks
-        quantized_blocks = max(rest - self.recent_tokens, 0) // self.k_group_size
-        return num_tokens - quantized_blocks * self.k_group_size
+        rest = max(num_tokens - sinks - self.recent_tokens, 0)
+        block = 1 if self.static_keys else self.k_group_size
+        return num_tokens - rest // block * block
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
                         fp_bytes: int = 2) -> float:
@@ -131,7 +141,7 @@ class QuantCacheConfig:
         q = num_tokens - fp
         per_head = (
             q * head_dim * (self.k_bits + self.v_bits) / 8  # packed codes
-            + (q // self.k_group_size) * head_dim * 2 * sb  # key scale+zero per channel per block
+            + (0 if self.static_keys else q // self.k_group_size) * head_dim * 2 * sb  # key scale+zero per block
             + q * (head_dim // self.value_group_size(head_dim)) * 2 * sb  # value scale+zero per token per group
             + fp * head_dim * 2 * fp_bytes  # full-precision K and V
         )

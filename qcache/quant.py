@@ -171,17 +171,31 @@ def choose_qparams(
     return scale, zero
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes of `x` (broadcasting scale/zero); values are rounded to the nearest step and clamped."""
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+             codebook: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 codes of `x` (broadcasting scale/zero); values are rounded to the nearest level and clamped.
+
+    Without a codebook the levels are uniform (`zero + j * scale`). A codebook holds `2**bits` sorted levels in
+    [0, 1] of the group's range (`(2**bits - 1) * scale`): level j is `zero + range * codebook[j]`."""
     qmax = 2**bits - 1
-    q = torch.round((x.float() - zero.float()) / scale.float())
-    return q.clamp_(0, qmax).to(torch.uint8)
+    u = (x.float() - zero.float()) / scale.float()  # in units of a uniform step: [0, qmax]
+    if codebook is None:
+        return torch.round(u).clamp_(0, qmax).to(torch.uint8)
+    if codebook.numel() != qmax + 1:
+        raise ValueError(f"codebook has {codebook.numel()} levels; {bits} bits need {qmax + 1}")
+    levels = codebook.float().to(x.device) * qmax
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    return torch.bucketize(u, midpoints).to(torch.uint8)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """codes * scale + zero, computed in fp32, returned in `dtype`."""
-    return torch.addcmul(zero.float(), codes.float(), scale.float()).to(dtype)
+               dtype: torch.dtype = torch.float32, codebook: torch.Tensor | None = None) -> torch.Tensor:
+    """codes * scale + zero (or the codebook level of each code), computed in fp32, returned in `dtype`."""
+    if codebook is None:
+        return torch.addcmul(zero.float(), codes.float(), scale.float()).to(dtype)
+    qmax = codebook.numel() - 1
+    levels = (codebook.float() * qmax).to(codes.device)[codes.long()]  # level in units of a uniform step
+    return torch.addcmul(zero.float(), levels, scale.float()).to(dtype)
 
 
 def _grouped_view(x: torch.Tensor, group_size: int, dim: int) -> tuple[torch.Tensor, int]:
@@ -200,11 +214,16 @@ def quantize_grouped(
     dim: int,
     mask: torch.Tensor | None = None,
     scale_dtype: torch.dtype = torch.float16,
+    codebook: torch.Tensor | None = None,
+    clip_ratios: tuple[float, ...] = (1.0,),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize `x` with one scale/zero per group of `group_size` consecutive elements along `dim`.
 
     Args:
         mask: optional bool tensor broadcastable to `x`; False entries are left out of the min/max (padding).
+        codebook: optional non-uniform levels (see `quantize`).
+        clip_ratios: candidate fractions of each group's [min, max] range (shrunk about its centre); each group
+            keeps the one with the smallest squared error. (1.0,) is plain min/max, with the half-step bound.
     Returns:
         codes (uint8, shape of x), scale and zero (shape of x with `dim` of size n/group_size).
     """
@@ -220,15 +239,34 @@ def quantize_grouped(
         empty = ~mg.any(gdim)  # a group made only of padding
         x_min = x_min.masked_fill(empty, 0.0)
         x_max = x_max.masked_fill(empty, 0.0)
-    scale, zero = choose_qparams(x_min, x_max, bits, scale_dtype)
-    codes = quantize(xg, scale.unsqueeze(gdim), zero.unsqueeze(gdim), bits).flatten(gdim - 1, gdim)
-    return codes, scale, zero
+    best = None
+    for ratio in clip_ratios:
+        if not 0 < ratio <= 1:
+            raise ValueError(f"clip ratio {ratio} must be in (0, 1]")
+        shrink = (x_max - x_min) * (1 - ratio) / 2
+        scale, zero = choose_qparams(x_min + shrink, x_max - shrink, bits, scale_dtype)
+        codes = quantize(xg, scale.unsqueeze(gdim), zero.unsqueeze(gdim), bits, codebook)
+        if len(clip_ratios) == 1:
+            return codes.flatten(gdim - 1, gdim), scale, zero
+        err = dequantize(codes, scale.unsqueeze(gdim), zero.unsqueeze(gdim), codebook=codebook).sub_(xg)
+        if mask is not None:
+            err = err.masked_fill(~mg, 0.0)
+        err = err.pow_(2).sum(gdim)  # per group
+        if best is None:
+            best = [err, codes, scale, zero]
+            continue
+        better = err < best[0]
+        best[0] = torch.where(better, err, best[0])
+        best[1] = torch.where(better.unsqueeze(gdim), codes, best[1])
+        best[2] = torch.where(better, scale, best[2])
+        best[3] = torch.where(better, zero, best[3])
+    return best[1].flatten(gdim - 1, gdim), best[2], best[3]
 
 
 def dequantize_grouped(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, dim: int,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, codebook: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of `quantize_grouped`."""
     cg, gdim = _grouped_view(codes, group_size, dim)
-    return dequantize(cg, scale.unsqueeze(gdim), zero.unsqueeze(gdim), dtype).flatten(gdim - 1, gdim)
+    return dequantize(cg, scale.unsqueeze(gdim), zero.unsqueeze(gdim), dtype, codebook).flatten(gdim - 1, gdim)

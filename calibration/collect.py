@@ -1,0 +1,121 @@
+"""Collect what calibration needs from a real model running over real text.
+
+A recording attention function (registered through transformers' attention interface as "qcache_calibrate")
+computes plain fp32 attention and keeps, per layer:
+
+    keys      [H, N, D]  pre-RoPE keys (RoPE undone with the model's own rotary code)
+    values    [H, N, D]
+    k_weight  [H, D]     key sensitivity per channel: mean query energy over the rotation pair of the channel
+                         (a key error dk changes a score by q . R dk; averaged over positions, channel c and its
+                         RoPE partner share the weight (q_c^2 + q_partner^2) / 2)
+    v_weight  [H, N]     value sensitivity per token: attention mass the token receives
+    positions [N]
+
+where N is the number of calibration tokens (all sequences concatenated).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from qcache.rope import RopeHelper
+
+__all__ = ["LayerStats", "collect_statistics", "ATTN_NAME"]
+
+log = logging.getLogger(__name__)
+ATTN_NAME = "qcache_calibrate"
+
+
+@dataclass
+class LayerStats:
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    k_weight: list = field(default_factory=list)
+    v_weight: list = field(default_factory=list)
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        return {
+            "keys": torch.cat(self.keys, dim=1),  # [H, N, D]
+            "values": torch.cat(self.values, dim=1),  # [H, N, D]
+            "k_weight": torch.stack(self.k_weight).mean(0),  # [H, D]
+            "v_weight": torch.cat(self.v_weight, dim=1),  # [H, N]
+        }
+
+
+def _pair_energy(q: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """[..., D] squared queries -> per-channel weight, averaged over each RoPE rotate-half pair."""
+    e = q.pow(2)
+    half = rot_dim // 2
+    paired = (e[..., :half] + e[..., half:rot_dim]) / 2
+    return torch.cat([paired, paired, e[..., rot_dim:]], dim=-1)
+
+
+class _Recorder:
+    def __init__(self, rope: RopeHelper | None, rot_dim: int):
+        self.rope = rope
+        self.rot_dim = rot_dim
+        self.layers: dict[int, LayerStats] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # query: [B, Hq, T, D]; key/value: [B, Hkv, S, D] (S = T: calibration runs without a cache)
+        B, Hq, T, D = query.shape
+        Hkv = key.shape[1]
+        groups = Hq // Hkv
+        q, k, v = query.float(), key.float(), value.float()
+        k_rep = k.repeat_interleave(groups, dim=1)  # [B, Hq, S, D]
+        v_rep = v.repeat_interleave(groups, dim=1)
+        scores = q @ k_rep.transpose(-1, -2) * (scaling if scaling is not None else D**-0.5)  # [B, Hq, T, S]
+        softcap = getattr(module.config, "attn_logit_softcapping", None)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if attention_mask is not None:
+            mask = attention_mask[:, :, :, : k.shape[2]]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = scores.softmax(dim=-1)  # fp32 accumulation
+        out = probs @ v_rep  # [B, Hq, T, D]
+
+        layer = self.layers.setdefault(module.layer_idx, LayerStats())
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(k.shape[2], device=k.device).expand(B, -1)
+        pre = self.rope.undo(k, position_ids, module.layer_idx) if self.rope is not None else k
+        # [B, H, S, D] -> [H, B*S, D]
+        layer.keys.append(pre.transpose(0, 1).reshape(Hkv, -1, D).cpu())
+        layer.values.append(v.transpose(0, 1).reshape(Hkv, -1, D).cpu())
+        energy = _pair_energy(q, self.rot_dim).mean(dim=(0, 2))  # [Hq, D]
+        layer.k_weight.append(energy.view(Hkv, groups, D).mean(1).cpu())
+        mass = probs.sum(dim=2).view(B, Hkv, groups, -1).mean(2)  # [B, Hkv, S]: attention received per key
+        layer.v_weight.append(mass.transpose(0, 1).reshape(Hkv, -1).cpu())
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@torch.no_grad()
+def collect_statistics(model, input_ids: torch.Tensor, batch_size: int = 1, progress: bool = True
+                       ) -> dict[int, dict[str, torch.Tensor]]:
+    """Run `model` over `input_ids` [N, L] with the recording attention; return per-layer statistics."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    text_config = model.config.get_text_config(decoder=True)
+    rope = RopeHelper(text_config) if getattr(text_config, "rope_parameters", None) is not None else None
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    rot_dim = head_dim
+    if rope is not None:
+        cos, _ = rope.cos_sin(torch.zeros(1, 1, dtype=torch.long), 0)
+        rot_dim = cos.shape[-1]
+    recorder = _Recorder(rope, rot_dim)
+    AttentionInterface.register(ATTN_NAME, recorder)
+    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    device = next(model.parameters()).device
+    try:
+        for start in tqdm(range(0, input_ids.shape[0], batch_size), desc="calibration forward", disable=not progress):
+            model(input_ids[start:start + batch_size].to(device), use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    return {idx: stats.stacked() for idx, stats in sorted(recorder.layers.items())}

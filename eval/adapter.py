@@ -1,0 +1,166 @@
+"""lm-eval model adapter: an `HFLM` whose forward passes and generations go through a chosen KV cache.
+
+    lm-eval path              what the adapter does
+    ------------------------  --------------------------------------------------------------------------------
+    loglikelihood(_rolling)   `_model_call`: a fresh cache; the input fed `chunk_size` tokens at a time through it
+                              (use_cache=True), so every later chunk attends to what the cache stored (DESIGN §5)
+    generate_until            `_model_generate`: `generate(cache=<fresh cache>, prefill_chunk_size=chunk_size)`:
+                              the prompt is prefilled in chunks through the cache, then decoded from it
+
+`--model_args` choose the cache (everything else goes to `HFLM`):
+
+    pretrained=<short name | dir | hub id>   short names (`smollm2-135m`, `gemma3-270m`) resolve offline
+    cache=default|quant|hf-quanto|hf-hqq|hf-fp8
+    bits=, k_bits=, v_bits=, calibration=<file>, and any other `QuantCacheConfig` field (quant only)
+    chunk_size=256                            tokens per forward pass through the cache
+
+Example:
+    >>> lm = QCacheLM(pretrained="smollm2-135m", cache="quant", bits=4, device="cpu")  # doctest: +SKIP
+    >>> lm.cache_updates  # Cache.update calls so far (one per layer per forward)            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError("the lm-eval adapter needs lm-eval: pip install 'lm_eval[ruler]' (or 'qcache[eval]')") from err
+
+from qcache.caches import CACHE_KINDS, build_cache, cache_label
+from qcache.config import QuantCacheConfig
+from qcache.models import resolve_model
+
+__all__ = ["QCacheLM", "CACHE_OPTIONS", "parse_cache_options"]
+
+logger = logging.getLogger(__name__)
+
+# QuantCacheConfig fields a user may set (`extra` is internal), plus the calibration file
+CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "extra") + ("calibration",)
+_INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if "int" in str(f.type)}
+
+
+def _to_int(name: str, value) -> int | None:
+    """An int option as lm-eval may hand it over: int, digit string, or None/"none"."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ValueError(f"{name}={value!r} must be an integer")
+
+
+def parse_cache_options(options: dict) -> tuple[int | None, dict]:
+    """Split `--model_args` cache options into (bits, other options), with ints parsed.
+
+    Example:
+        >>> parse_cache_options({"bits": "4", "recent_tokens": "0", "rope": "post"})
+        (4, {'recent_tokens': 0, 'rope': 'post'})
+    """
+    unknown = sorted(set(options) - set(CACHE_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown cache options {unknown}; allowed: {sorted(CACHE_OPTIONS)}")
+    parsed = {}
+    for name, value in options.items():
+        value = _to_int(name, value) if name in _INT_OPTIONS else value
+        if value is not None:
+            parsed[name] = str(value) if name == "calibration" else value
+    return parsed.pop("bits", None), parsed
+
+
+@register_model("qcache")
+class QCacheLM(HFLM):
+    """`HFLM` routing log-likelihood and generation through a fresh cache of the chosen kind per request batch.
+
+    Args:
+        pretrained: a short name from `qcache.models.MODELS`, a local HF directory or a hub id.
+        cache: one of `qcache.caches.CACHE_KINDS`.
+        chunk_size: tokens per forward pass through the cache (log-likelihood and prefill).
+        **kwargs: cache options (`bits`, `k_bits`, `v_bits`, `calibration`, any `QuantCacheConfig` field) and
+            `HFLM` arguments (`batch_size`, `dtype`, `max_length`, ...).
+
+    Example:
+        >>> lm = QCacheLM(pretrained="smollm2-135m", cache="quant", bits=2, device="cpu")  # doctest: +SKIP
+        >>> lm.loglikelihood_rolling(requests)                                              # doctest: +SKIP
+    """
+
+    def __init__(self, pretrained="smollm2-135m", cache: str = "default", chunk_size: int = 256, **kwargs):
+        if isinstance(pretrained, str):
+            pretrained = resolve_model(pretrained)
+        if isinstance(kwargs.get("tokenizer"), str):
+            kwargs["tokenizer"] = resolve_model(kwargs["tokenizer"])
+        if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
+            kwargs["device"] = "cpu"
+        cache_options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.chunk_size = _to_int("chunk_size", chunk_size)
+        if self.chunk_size is None or self.chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
+        self.cache_updates = 0  # Cache.update calls received by the caches this adapter built
+        self.caches_built = 0
+        self.last_cache = None
+        self.set_cache(cache, **cache_options)
+
+    # -- the cache -------------------------------------------------------------------------------------------
+    def set_cache(self, cache: str = "default", **options) -> None:
+        """Choose the cache for the next requests (validated now, by building one)."""
+        if cache not in CACHE_KINDS:
+            raise ValueError(f"cache={cache!r} is not supported; allowed values: {list(CACHE_KINDS)}")
+        bits, options = parse_cache_options(options)
+        build_cache(cache, self.model.config, bits, **dict(options))
+        self.cache_kind, self.cache_bits, self.cache_options = cache, bits, options
+        logger.info("KV cache: %s", self.cache_label)
+
+    @property
+    def cache_label(self) -> str:
+        return cache_label(self.cache_kind, self.cache_bits, **self.cache_options)
+
+    def _new_cache(self):
+        """A fresh cache of the chosen kind whose `update` calls are counted in `self.cache_updates`."""
+        cache = build_cache(self.cache_kind, self.model.config, self.cache_bits, **dict(self.cache_options))
+        update = cache.update
+        counter = self  # not named `self` inside the wrapper: QuantCache inspects callers' `self` on the stack
+
+        def counted_update(*args, **kwargs):
+            counter.cache_updates += 1
+            return update(*args, **kwargs)
+
+        cache.update = counted_update  # an instance attribute: called as cache.update(key, value, layer_idx, ...)
+        self.caches_built += 1
+        self.last_cache = cache  # for inspection (e.g. QuantCache.memory())
+        return cache
+
+    # -- lm-eval hooks ---------------------------------------------------------------------------------------
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        """Logits [B, L, V] of `inps` [B, L], read `chunk_size` tokens at a time through one fresh cache."""
+        if attn_mask is not None or labels is not None:
+            raise NotImplementedError("QCacheLM supports decoder-only (causal) models")
+        cache = self._new_cache()
+        logits = []
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                             enabled=self.mixed_precision_dtype is not None):
+            for start in range(0, inps.shape[1], self.chunk_size):
+                piece = inps[:, start:start + self.chunk_size]  # [B, c]
+                logits.append(self.model(piece, cache=cache, use_cache=True).logits)  # [B, c, V]
+        return torch.cat(logits, dim=1)  # [B, L, V]
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        """HFLM's generation, with a fresh cache and the prompt prefilled `chunk_size` tokens at a time."""
+        generation_kwargs.setdefault("prefill_chunk_size", self.chunk_size)
+        return super()._model_generate(context, max_length, stop, cache=self._new_cache(), **generation_kwargs)
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        info.update(kv_cache=self.cache_label, kv_cache_kind=self.cache_kind, kv_cache_bits=self.cache_bits,
+                    kv_cache_options=dict(self.cache_options), chunk_size=self.chunk_size)
+        return info

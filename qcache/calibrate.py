@@ -1,0 +1,103 @@
+"""python -m qcache.calibrate: learn what QuantCache needs from real text and save it (safetensors).
+
+    python -m qcache.calibrate --model smollm2-135m --out smollm2.qcache.safetensors
+    python -m qcache.calibrate --model gemma3-270m --bits 2 --out gemma3-2bit.qcache.safetensors
+    python -m qcache.calibrate --model ./my-hf-dir --data my_text.jsonl --samples 32 --seq-len 1024 --out x.safetensors
+
+Default data: dataset_build's English prose, the part evaluation never reads (qcache.data "calibration" split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .config import SUPPORTED_BITS, QuantCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+def read_text(path: Path) -> str:
+    """A .txt file, or a .jsonl file whose lines carry a "text" field."""
+    if not path.is_file():
+        raise ValueError(f"--data {str(path)!r} does not exist")
+    if path.suffix == ".jsonl":
+        texts = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                record = json.loads(line)
+                if "text" not in record:
+                    raise ValueError(f"--data {path}: line {n} has no 'text' field (keys: {sorted(record)})")
+                texts.append(record["text"])
+        return "\n\n".join(texts)
+    return path.read_text()
+
+
+def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """`samples` windows of `seq_len` tokens, chosen (seeded) among the non-overlapping windows of the text."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    windows = ids.numel() // seq_len
+    if windows < samples:
+        raise ValueError(f"the calibration text has {ids.numel()} tokens: {windows} windows of {seq_len}, "
+                         f"fewer than --samples {samples}")
+    pick = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
+    return torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in pick.tolist()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="short name (smollm2-135m, gemma3-270m) or HF directory")
+    p.add_argument("--out", required=True, help="output .safetensors path (written atomically)")
+    p.add_argument("--bits", type=int, choices=SUPPORTED_BITS, help="bits for K and V (default 4)")
+    p.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="bits for keys")
+    p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits for values")
+    p.add_argument("--static-keys", action=argparse.BooleanOptionalAction, default=None,
+                   help="store the option to quantize keys with static calibrated ranges (default: QuantCacheConfig)")
+    p.add_argument("--data", type=Path, help="a .txt or .jsonl ('text' field) file; default: the calibration split")
+    p.add_argument("--samples", type=int, default=16, help="sequences of calibration text")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0, help="seed for picking sequences and subsampling")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model dtype")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.bits is not None and (args.k_bits is not None or args.v_bits is not None):
+        p.error("give --bits, or --k-bits/--v-bits, not both")
+    if args.samples < 1 or args.seq_len < 8:
+        p.error(f"--samples={args.samples} must be >= 1 and --seq-len={args.seq_len} >= 8")
+
+    from calibration import calibrate
+
+    from .calibfile import save_calibration
+    from .data import read_split, sha256_of_split
+    from .models import load_model
+
+    opts = {"k_bits": args.k_bits or args.bits or 4, "v_bits": args.v_bits or args.bits or 4}
+    if args.static_keys is not None:
+        opts["static_keys"] = args.static_keys
+    options = QuantCacheConfig(**opts)
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if args.data is not None:
+        text, source = read_text(args.data), str(args.data)
+        sha = hashlib.sha256(args.data.read_bytes()).hexdigest()
+    else:
+        text, source, sha = read_split("calibration"), "dataset_build eng (qcache.data calibration split)", \
+            sha256_of_split("calibration")
+    ids = sample_sequences(tok, text, args.samples, args.seq_len, args.seed)
+    settings = {"model": args.model, "data_source": source, "data_sha256": sha, "samples": args.samples,
+                "seq_len": args.seq_len, "dtype": args.dtype}
+    data = calibrate(model, ids, options, settings, seed=args.seed)
+    data.settings["seconds"] = round(time.perf_counter() - t0, 1)
+    path = save_calibration(args.out, data)
+    print(f"wrote {path}: {len(data.layers)} layers, {ids.numel()} tokens, {data.settings['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
