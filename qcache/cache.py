@@ -293,7 +293,13 @@ class QuantLayer(CacheLayerMixin):
         if self.k_static is not None:
             zero, scale = (t.to(codes.device)[None, :, None, :] for t in self.k_static)  # [1, H, 1, D]
             k = dequantize(codes, scale, zero, codebook=self.k_codebook)
-        else:
+        elif all(n == self.cfg.k_group_size for n in self.block_lens):
+            B, H, Tq, D = codes.shape
+            nb = len(self.block_lens)
+            # [B, H, Tq, D] -> [B, H, nb, G, D]: one scale/zero per block broadcast over its G tokens
+            k = dequantize(codes.view(B, H, nb, Tq // nb, D), self.k_scale.unsqueeze(3), self.k_zero.unsqueeze(3),
+                           codebook=self.k_codebook).view(B, H, Tq, D)
+        else:  # a crop left a partial block
             k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
                            codebook=self.k_codebook)
         if self.rope is not None:

@@ -155,6 +155,12 @@ class RopeHelper:
             cos, sin = self._compute(pos, layer_type)
             table = (cos[0], sin[0])  # [P, R]
             self._tables[key] = table
+        first = position_ids[:, :1]  # [B, 1]
+        if bool((first == first[0]).all()) and bool(
+                (position_ids == first + torch.arange(position_ids.shape[1], device=first.device)).all()):
+            start = int(first[0, 0])  # every row holds the same consecutive positions: a view, no gather
+            n = position_ids.shape[1]
+            return table[0][start:start + n].unsqueeze(0), table[1][start:start + n].unsqueeze(0)  # [1, T, R]
         return table[0][position_ids], table[1][position_ids]  # [B, T, R]
 
     # -- rotation --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from eval import compare  # noqa: E402
-from eval.adapter import QCacheLM, parse_cache_options  # noqa: E402
+from eval.adapter import QCacheLM, chunk_bounds, parse_cache_options  # noqa: E402
 from eval.harness import offline_environment, task_manager  # noqa: E402
 from eval.tasks import qcache_tasks  # noqa: E402
 from qcache import QuantCache  # noqa: E402
@@ -126,6 +126,28 @@ def test_default_cache_chunked_logits_match_one_pass(lm):
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("length, chunk", [(600, 256), (525, 256), (457, 256), (13, 256), (1, 256), (64, 32)])
+def test_chunk_bounds_cover_the_input_in_order(length, chunk):
+    bounds = chunk_bounds(length, chunk)
+    assert [b for _, b in bounds[:-1]] == [a for a, _ in bounds[1:]] and bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(0 < b - a <= chunk for a, b in bounds)
+    assert all(b % 8 == 0 for _, b in bounds[:-1])  # every piece but the last ends at a multiple of 8
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_hf_hqq_reads_any_length(lm, bits):
+    """457 tokens: fed as 256 + 201, the HQQ cache would re-quantize 457 tokens, which hqq cannot pack."""
+    pytest.importorskip("hqq")
+    lm.set_cache("hf-hqq", bits=bits)
+    lm.chunk_size = 256
+    try:
+        logits = lm._model_call(torch.randint(3, WORDS + 3, (1, 457)))
+    finally:
+        lm.chunk_size = CHUNK
+        lm.set_cache("quant", bits=4)
+    assert logits.shape == (1, 457, WORDS + 3) and torch.isfinite(logits).all()
+
+
 def test_perplexity_8bit_close_2bit_worse(lm, sampled_text):
     nll = {}
     tokens = 2 * 512
@@ -158,7 +180,7 @@ def test_loglikelihood_rolling_task_goes_through_quant_cache(lm, tiny_dir):
     tokens = loaded["tasks"]["qcache_ppl"].test_docs()[0]["num_tokens"]
     assert tokens > 2 * CHUNK
     assert lm.caches_built - built == 1  # one document, one window, one fresh cache
-    assert lm.cache_updates - updates == LAYERS * math.ceil(tokens / CHUNK)  # every chunk, every layer
+    assert lm.cache_updates - updates == LAYERS * len(chunk_bounds(tokens, CHUNK))  # every chunk, every layer
     assert isinstance(lm.last_cache, QuantCache) and lm.last_cache.memory().packed > 0  # it stored codes
     metrics = results["qcache_ppl"]
     assert metrics["token_perplexity,none"] > 1 and metrics["bits_per_byte,none"] > 0

@@ -92,3 +92,27 @@ def test_scale_dtype_overflow_raises():
 def test_group_size_must_divide():
     with pytest.raises(ValueError, match="group_size=24"):
         quantize_grouped(torch.randn(2, 64), 4, 24, dim=-1)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_clip_search_never_increases_group_error(bits):
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(4, 256, 64, generator=gen)
+    x[:, ::37] *= 6  # heavy tails make clipping worth it
+    plain = dequantize_grouped(*quantize_grouped(x, bits, 32, dim=-1), 32, dim=-1)
+    clipped = dequantize_grouped(*quantize_grouped(x, bits, 32, dim=-1, clip_ratios=(1.0, 0.9, 0.8, 0.7)), 32, dim=-1)
+    err_plain = (plain - x).pow(2).view(4, 256, 2, 32).sum(-1)
+    err_clip = (clipped - x).pow(2).view(4, 256, 2, 32).sum(-1)
+    assert bool((err_clip <= err_plain + 1e-6).all())  # each group keeps its best candidate (1.0 included)
+    assert float(err_clip.sum()) < float(err_plain.sum())
+
+
+def test_codebook_levels_round_trip():
+    codebook = torch.tensor([0.0, 0.3, 0.55, 1.0])
+    x = torch.rand(8, 32)
+    codes, scale, zero = quantize_grouped(x, 2, 32, dim=-1, codebook=codebook)
+    xr = dequantize_grouped(codes, scale, zero, 32, dim=-1, codebook=codebook)
+    rng = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True))
+    # nearest level: error at most half the widest gap between levels
+    assert bool(((xr - x).abs() <= rng * 0.45 / 2 + 1e-3).all())
+    assert torch.equal(codes.unique().sort().values, torch.arange(4, dtype=torch.uint8))
