@@ -210,7 +210,9 @@ def use_fp32_attention(model):
     Raises ValueError for a model whose attention does not go through transformers' AttentionInterface.
 
     Example:
-        >>> model = use_fp32_attention(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))  # doctest: +SKIP
+        >>> model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> use_fp32_attention(model).config._attn_implementation  # doctest: +SKIP
+        'qcache_fp32'
     """
     name = register_fp32_attention()
     model.set_attn_implementation(name)

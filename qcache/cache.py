@@ -397,7 +397,8 @@ class QuantLayer(CacheLayerMixin):
             return CacheMemory()
         return CacheMemory(
             packed=_nbytes(self.kq, self.vq),
-            scales=_nbytes(self.k_scale, self.k_zero, self.v_scale, self.v_zero),
+            scales=_nbytes(self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.k_codebook, self.v_codebook,
+                           *(self.k_static or ())),
             full_precision=_nbytes(self.sink_k, self.sink_v, self.res_k, self.res_v),
             positions=_nbytes(self.sink_pos, self.q_pos, self.res_pos),
             tokens=self.stored_length(),

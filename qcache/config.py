@@ -63,7 +63,7 @@ class QuantCacheConfig:
     k_group_size: int = 64
     v_group_size: int | None = None
     sink_tokens: int = 4
-    recent_tokens: int = 32
+    recent_tokens: int = 128
     rope: str = "pre"
     sliding_layers: str = "native"
     scale_dtype: str = "float16"

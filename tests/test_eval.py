@@ -99,7 +99,13 @@ def test_parse_cache_options_reads_ints_from_strings():
         4, {"k_group_size": 32, "recent_tokens": 0, "rope": "post", "calibration": "c.safetensors"})
 
 
+def test_parse_cache_options_reads_bools():
+    assert parse_cache_options({"static_keys": "False", "codebooks": 1, "clip_search": True}) == (
+        None, {"static_keys": False, "codebooks": True, "clip_search": True})
+
+
 @pytest.mark.parametrize("options, match", [({"bits": "four"}, "bits='four' must be an integer"),
+                                            ({"codebooks": "maybe"}, "codebooks='maybe' must be a boolean"),
                                             ({"nbits": 4}, "unknown cache options \\['nbits'\\]")])
 def test_parse_cache_options_rejects(options, match):
     with pytest.raises(ValueError, match=match):
@@ -112,6 +118,24 @@ def test_set_cache_validates_now(lm):
     with pytest.raises(ValueError, match="takes only bits"):
         lm.set_cache("hf-quanto", bits=2, k_bits=4)
     lm.set_cache("quant", bits=4)
+
+
+def test_calibration_file_reaches_the_cache(lm, sampled_text, tmp_path):
+    """`calibration=<file>` in --model_args builds QuantCache.from_calibration."""
+    from calibration import calibrate
+    from qcache.calibfile import save_calibration
+    from qcache.config import QuantCacheConfig
+
+    ids = torch.tensor([lm.tokenizer(t)["input_ids"][:256] for t in sampled_text])  # [2, 256]
+    data = calibrate(lm.model, ids, QuantCacheConfig(bits=4), {"model": "tiny", "data_source": "sampled"},
+                     progress=False)
+    path = save_calibration(tmp_path / "tiny.qcache.safetensors", data)
+    lm.set_cache("quant", calibration=str(path))
+    try:
+        lm._model_call(ids[:1])
+        assert lm.last_cache.calibration is not None
+    finally:
+        lm.set_cache("quant", bits=4)
 
 
 def test_default_cache_chunked_logits_match_one_pass(lm):
