@@ -154,12 +154,32 @@ def main(argv: list[str] | None = None) -> int:
         "qcache_version": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "eval_text_sha256": sha256_of_split("eval"), "args": vars(args),
     }
-    result["memory"] = measure_memory(args.model, args.mem_bits, args.context, 1024) if args.mem_bits else []
-    result["perplexity"] = measure_perplexity(args.model, parse_specs(args.caches), args.num_seqs, args.seq_len,
-                                              args.chunk, DTYPES[args.dtype]) if args.caches else []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    json_path = out.with_suffix(".json")
+    previous = json.loads(json_path.read_text()) if args.resume and json_path.exists() else {}
+    ignore = ("resume", "caches", "mem_bits")
+    if previous and {k: v for k, v in previous["args"].items() if k not in ignore} != {
+            k: v for k, v in vars(args).items() if k not in ignore}:
+        raise ValueError(f"--resume: {json_path} was made with other settings: {previous['args']}")
+
+    def save(rows=None) -> None:
+        if rows is not None:
+            result["perplexity"] = rows
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+
+    result["memory"] = (measure_memory(args.model, args.mem_bits, args.context, 1024) if args.mem_bits
+                        else previous.get("memory", []))
+    result["perplexity"] = previous.get("perplexity", [])
+    save()
+    if args.caches:
+        result["perplexity"] = measure_perplexity(args.model, parse_specs(args.caches), args.num_seqs, args.seq_len, args.chunk,
+                           DTYPES[args.dtype], previous.get("perplexity", []), save)
+    base = next((r["ppl"] for r in result["perplexity"] if r["kind"] == "default"), None)
+    for r in result["perplexity"]:
+        if "ppl" in r and base:
+            r["delta_pct"] = 100.0 * (r["ppl"] / base - 1.0)
+    save()
     out.with_suffix(".md").write_text(to_markdown(result) + "\n")
     print(to_markdown(result))
     return 0

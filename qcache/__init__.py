@@ -1,5 +1,6 @@
 """qcache: a quantized KV cache for PyTorch and Hugging Face Transformers."""
 
+from .attention import register_fp32_attention, use_fp32_attention
 from .cache import CacheMemory, QuantCache, QuantLayer
 from .config import SUPPORTED_BITS, QuantCacheConfig
 from .quant import dequantize, dequantize_grouped, pack, quantize, quantize_grouped, unpack
@@ -8,6 +9,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "QuantCache",
+    "use_fp32_attention",
+    "register_fp32_attention",
     "QuantLayer",
     "QuantCacheConfig",
     "CacheMemory",

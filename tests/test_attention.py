@@ -161,7 +161,10 @@ def _left_padded_batch():
 
 
 def _generate_logits(model, attn, ids, mask):
-    model.set_attn_implementation("sdpa") if attn == "sdpa" else use_fp32_attention(model)
+    if attn == "sdpa":
+        model.set_attn_implementation("sdpa")
+    else:
+        use_fp32_attention(model)
     cache = QuantCache(bits=4, **OPTS)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False,
@@ -212,7 +215,10 @@ def test_softcap_matches_eager_where_stock_sdpa_raises():
     ids, mask = _left_padded_batch()
 
     def logits(attn):
-        model.set_attn_implementation(attn) if attn != ATTN_IMPLEMENTATION else use_fp32_attention(model)
+        if attn == ATTN_IMPLEMENTATION:
+            use_fp32_attention(model)
+        else:
+            model.set_attn_implementation(attn)
         with torch.no_grad():
             return model(ids, attention_mask=mask).logits
 
