@@ -91,7 +91,8 @@ def measure_perplexity(name: str, specs: list[tuple[str, int | None]], num_seqs:
 def to_markdown(result: dict) -> str:
     a = result["args"]
     lines = [f"# Core benchmark: {a['model']}", "",
-             f"Command: `{result['command']}`  ", f"Date: {result['date']}; machine: {result['machine']}; "
+             f"Command: `{result['command']}`  ",
+             *(f"Resumed from (rows kept): `{c}`  " for c in result.get("earlier_commands", [])), f"Date: {result['date']}; machine: {result['machine']}; "
              f"qcache {result['qcache_version']}, torch {result['torch']}, transformers {result['transformers']}", ""]
     if result.get("memory"):
         lines += [f"## Bytes held per token at {a['context']} tokens (bf16 model, default settings)", "",
@@ -141,9 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="keep rows (and, with --mem-bits given empty, the memory table) of an earlier run of the "
                         "same settings found in --out, and measure only the missing ones")
+    p.add_argument("--render", action="store_true", help="only rewrite --out's .md from its .json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(0)
+    if args.render:
+        result = json.loads(Path(args.out).with_suffix(".json").read_text())
+        base = next((r["ppl"] for r in result["perplexity"] if r["kind"] == "default"), None)
+        for r in result["perplexity"]:
+            if "ppl" in r and base:
+                r["delta_pct"] = 100.0 * (r["ppl"] / base - 1.0)
+        Path(args.out).with_suffix(".md").write_text(to_markdown(result) + "\n")
+        print(to_markdown(result))
+        return 0
 
     import transformers
 
@@ -168,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             result["perplexity"] = rows
         json_path.write_text(json.dumps(result, indent=2) + "\n")
 
+    if previous:
+        result["earlier_commands"] = previous.get("earlier_commands", []) + [previous["command"]]
     result["memory"] = (measure_memory(args.model, args.mem_bits, args.context, 1024) if args.mem_bits
                         else previous.get("memory", []))
     result["perplexity"] = previous.get("perplexity", [])

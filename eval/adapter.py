@@ -4,8 +4,8 @@
     ------------------------  --------------------------------------------------------------------------------
     loglikelihood(_rolling)   `_model_call`: a fresh cache; the input fed `chunk_size` tokens at a time through it
                               (use_cache=True), so every later chunk attends to what the cache stored (DESIGN §5)
-    generate_until            `_model_generate`: `generate(cache=<fresh cache>, prefill_chunk_size=chunk_size)`:
-                              the prompt is prefilled in chunks through the cache, then decoded from it
+    generate_until            `_model_generate`: the prompt prefilled the same way into a fresh cache, then
+                              `generate(cache=<that cache>)` decodes every new token from it
 
 `--model_args` choose the cache (everything else goes to `HFLM`):
 
@@ -13,6 +13,8 @@
     cache=default|quant|hf-quanto|hf-hqq|hf-fp8
     bits=, k_bits=, v_bits=, calibration=<file>, and any other `QuantCacheConfig` field (quant only)
     chunk_size=256                            tokens per forward pass through the cache
+    attn_implementation=qcache_fp32           attention accumulating in fp32 (qcache.attention), e.g. with
+                                              dtype=bfloat16; HFLM passes it to from_pretrained
 
 Example:
     >>> lm = QCacheLM(pretrained="smollm2-135m", cache="quant", bits=4, device="cpu")  # doctest: +SKIP
@@ -36,13 +38,15 @@ from qcache.caches import CACHE_KINDS, build_cache, cache_label
 from qcache.config import QuantCacheConfig
 from qcache.models import resolve_model
 
-__all__ = ["QCacheLM", "CACHE_OPTIONS", "parse_cache_options"]
+__all__ = ["QCacheLM", "CACHE_OPTIONS", "chunk_bounds", "parse_cache_options"]
 
 logger = logging.getLogger(__name__)
 
 # QuantCacheConfig fields a user may set (`extra` is internal), plus the calibration file
 CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "extra") + ("calibration",)
 _INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if "int" in str(f.type)}
+_BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
 def _to_int(name: str, value) -> int | None:
@@ -60,22 +64,59 @@ def _to_int(name: str, value) -> int | None:
     raise ValueError(f"{name}={value!r} must be an integer")
 
 
+def _to_bool(name: str, value) -> bool | None:
+    """A bool option as lm-eval may hand it over: bool, 0/1, or true/false/yes/no in any case."""
+    if value is None or isinstance(value, bool):
+        return value
+    key = str(value).strip().lower()
+    if key in ("", "none"):
+        return None
+    if key not in _BOOLS:
+        raise ValueError(f"{name}={value!r} must be a boolean (true/false)")
+    return _BOOLS[key]
+
+
 def parse_cache_options(options: dict) -> tuple[int | None, dict]:
-    """Split `--model_args` cache options into (bits, other options), with ints parsed.
+    """Split `--model_args` cache options into (bits, other options), with ints and bools parsed.
 
     Example:
-        >>> parse_cache_options({"bits": "4", "recent_tokens": "0", "rope": "post"})
-        (4, {'recent_tokens': 0, 'rope': 'post'})
+        >>> parse_cache_options({"bits": "4", "recent_tokens": "0", "rope": "post", "static_keys": "false"})
+        (4, {'recent_tokens': 0, 'rope': 'post', 'static_keys': False})
     """
     unknown = sorted(set(options) - set(CACHE_OPTIONS))
     if unknown:
         raise ValueError(f"unknown cache options {unknown}; allowed: {sorted(CACHE_OPTIONS)}")
     parsed = {}
     for name, value in options.items():
-        value = _to_int(name, value) if name in _INT_OPTIONS else value
+        if name in _INT_OPTIONS:
+            value = _to_int(name, value)
+        elif name in _BOOL_OPTIONS:
+            value = _to_bool(name, value)
         if value is not None:
             parsed[name] = str(value) if name == "calibration" else value
     return parsed.pop("bits", None), parsed
+
+
+def chunk_bounds(length: int, chunk: int, align: int = 8) -> list[tuple[int, int]]:
+    """[start, end) of the pieces fed through the cache: `chunk` tokens each; a last partial piece is cut at a
+    multiple of `align` (the rest, under `align` tokens, goes last on its own).
+
+    Why: Transformers' HQQ cache re-quantizes the whole cache whenever a piece fills its residual, and hqq's
+    2-/4-bit packing fails unless kv_heads * tokens * head_dim / 64 is a multiple of 4 / 2; with every re-quantized
+    length a multiple of 8 it holds. The other caches read the same tokens either way.
+
+    Example:
+        >>> chunk_bounds(600, 256)
+        [(0, 256), (256, 512), (512, 600)]
+        >>> chunk_bounds(525, 256)
+        [(0, 256), (256, 512), (512, 520), (520, 525)]
+    """
+    bounds = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+    start, end = bounds[-1] if bounds else (0, 0)
+    cut = start + (end - start) // align * align
+    if start < cut < end:
+        bounds[-1:] = [(start, cut), (cut, end)]
+    return bounds
 
 
 @register_model("qcache")
@@ -101,6 +142,10 @@ class QCacheLM(HFLM):
             kwargs["tokenizer"] = resolve_model(kwargs["tokenizer"])
         if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
             kwargs["device"] = "cpu"
+        if kwargs.get("attn_implementation") == "qcache_fp32":  # fp32-accumulating attention for bf16/fp16 models
+            from qcache.attention import register_fp32_attention
+
+            register_fp32_attention()
         cache_options = {name: kwargs.pop(name) for name in CACHE_OPTIONS if name in kwargs}
         super().__init__(pretrained=pretrained, **kwargs)
         self.chunk_size = _to_int("chunk_size", chunk_size)
@@ -149,15 +194,26 @@ class QCacheLM(HFLM):
         logits = []
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
-            for start in range(0, inps.shape[1], self.chunk_size):
-                piece = inps[:, start:start + self.chunk_size]  # [B, c]
+            for start, end in chunk_bounds(inps.shape[1], self.chunk_size):
+                piece = inps[:, start:end]  # [B, c]
                 logits.append(self.model(piece, cache=cache, use_cache=True).logits)  # [B, c, V]
         return torch.cat(logits, dim=1)  # [B, L, V]
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        """HFLM's generation, with a fresh cache and the prompt prefilled `chunk_size` tokens at a time."""
-        generation_kwargs.setdefault("prefill_chunk_size", self.chunk_size)
-        return super()._model_generate(context, max_length, stop, cache=self._new_cache(), **generation_kwargs)
+        """HFLM's generation from a fresh cache into which the prompt [B, L] (left-padded) was prefilled in the
+        pieces of `chunk_bounds` (all but its last token, which `generate` feeds itself before decoding)."""
+        mask = generation_kwargs.get("attention_mask")
+        if mask is None:
+            mask = generation_kwargs["attention_mask"] = torch.ones_like(context)
+        # positions as generate() computes them: padding gets 0, real tokens count from 0
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, L]
+        cache = self._new_cache()
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                             enabled=self.mixed_precision_dtype is not None):
+            for start, end in chunk_bounds(context.shape[1] - 1, self.chunk_size):
+                self.model(context[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
+                           cache=cache, use_cache=True, logits_to_keep=1)
+        return super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()

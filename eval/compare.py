@@ -235,9 +235,11 @@ def markdown(report: dict) -> str:
     lines = [
         f"# KV cache comparison: {report['model']}", "",
         f"Command: `{report['command']}`", "",
-        f"{report['started']}, {report['seconds_total']:.0f} s in all on {report['machine']}; qcache "
+        f"{report['started']}, {report['seconds_total']:.0f} s in all on {report['machine']} (load average "
+        f"{_fmt_load(report.get('load_average'))}); qcache "
         f"{report['versions']['qcache']}, lm-eval {report['versions']['lm_eval']}, transformers "
-        f"{report['versions']['transformers']}, torch {report['versions']['torch']}, {s['dtype']}.", "",
+        f"{report['versions']['transformers']}, torch {report['versions']['torch']}, {s['dtype']}; "
+        f"{_fmt_git(report.get('git'))}.", "",
         "Quality is measured against the default cache (DynamicCache) in the same run: perplexity as % change, "
         "accuracy in points. Times are ratios to the default (absolute times on shared machines are noise).",
     ]
@@ -250,6 +252,18 @@ def markdown(report: dict) -> str:
         lines += ["", "Caches that could not run on this model: "
                   + "; ".join(f"{r['cache']}: {r['error']}" for r in errors)]
     return "\n".join(lines) + "\n"
+
+
+def _fmt_git(git: dict | None) -> str:
+    if not git:
+        return "not a git checkout"
+    return f"git {git['commit'][:10]}" + (" with uncommitted changes" if git["dirty"] else "")
+
+
+def _fmt_load(load: dict | None) -> str:
+    if not load or not load.get("start"):
+        return "n/a"
+    return f"{load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end"
 
 
 def _perplexity_section(report: dict) -> list[str]:
@@ -310,10 +324,12 @@ def _plot_perplexity(ax, report: dict) -> None:
             lines.setdefault(key, []).append((r["nominal_bits"], r["token_perplexity_change_pct"]))
     for key, pts in lines.items():
         ax.plot(*zip(*sorted(pts)), marker="o", label=key)
+    lowest = min((y for pts in lines.values() for _, y in pts), default=0.0)
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xlabel("bits per stored K/V value")
     ax.set_ylabel("token perplexity change vs default (%)")
     ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylim(bottom=min(1.5 * lowest, -0.5))  # symlog: no empty decades below zero
     ax.set_title(f"{PPL_TASK} ({report['ppl_tokens'] or '?'} tokens)")
     if lines:
         ax.legend(fontsize=8)
@@ -409,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out or f"docs/results/eval-{Path(args.model).name}")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
+    start, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S"), _load_average()
     lm = QCacheLM(pretrained=path, cache="default", chunk_size=args.chunk_size, dtype=args.dtype, device=device,
                   batch_size=1)
     ppl_rows, ppl_tokens = [], None
@@ -424,6 +440,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model, "model_path": path, "command": command, "started": started,
         "seconds_total": time.perf_counter() - start,
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {device}, {torch.get_num_threads()} torch threads",
+        "load_average": {"start": load_before, "end": _load_average()},  # other jobs on the machine: times are noise
+        "git": _git_state(),
         "versions": {"qcache": qcache.__version__, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
                      else _dist_version("lm_eval"), "transformers": transformers.__version__,
                      "torch": torch.__version__, "python": platform.python_version()},
@@ -433,12 +451,34 @@ def main(argv: list[str] | None = None) -> dict:
         "ppl_tokens": ppl_tokens,
         "perplexity": ppl_rows, "retrieval": retrieval_rows,
     }
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
-    plot(report, out.with_suffix(".png"))
+    Path(f"{out}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    Path(f"{out}.md").write_text(markdown(report))
+    plot(report, Path(f"{out}.png"))
     print(markdown(report))
     print(f"wrote {out}.json, {out}.md, {out}.png ({report['seconds_total']:.0f} s)")
     return report
+
+
+def _git_state() -> dict | None:
+    """The checkout the run used (commit, and whether tracked files differed from it), when it is a git one."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def _load_average() -> list[float] | None:
+    """1/5/15-minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _dist_version(name: str) -> str:

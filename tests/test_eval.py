@@ -138,6 +138,14 @@ def test_calibration_file_reaches_the_cache(lm, sampled_text, tmp_path):
         lm.set_cache("quant", bits=4)
 
 
+def test_fp32_attention_option(tiny_dir):
+    lm16 = QCacheLM(pretrained=tiny_dir, cache="quant", bits=4, dtype="bfloat16", attn_implementation="qcache_fp32",
+                    device="cpu")
+    assert lm16.model.config._attn_implementation == "qcache_fp32"
+    logits = lm16._model_call(torch.randint(3, WORDS + 3, (1, 70)))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
 def test_default_cache_chunked_logits_match_one_pass(lm):
     ids = torch.randint(3, WORDS + 3, (2, 3 * CHUNK + 5))
     lm.set_cache("default")
@@ -170,6 +178,35 @@ def test_hf_hqq_reads_any_length(lm, bits):
         lm.chunk_size = CHUNK
         lm.set_cache("quant", bits=4)
     assert logits.shape == (1, 457, WORDS + 3) and torch.isfinite(logits).all()
+
+
+def test_hf_hqq_generates_after_any_prompt_length(lm):
+    """Transformers' own chunked prefill (256 + 201) would re-quantize 457 tokens; ours stops at 456."""
+    pytest.importorskip("hqq")
+    lm.set_cache("hf-hqq", bits=2)
+    lm.chunk_size = 256
+    try:
+        ids = torch.randint(3, WORDS + 3, (1, 457))
+        out = lm._model_generate(ids, max_length=460, stop=[], do_sample=False)
+    finally:
+        lm.chunk_size = CHUNK
+        lm.set_cache("quant", bits=4)
+    assert out.shape == (1, 460)
+
+
+def test_default_cache_generation_matches_plain_generate(lm):
+    """Left-padded batch: the chunked prefill gives the tokens one `generate` call gives."""
+    prompts = ["w1 w2 w3 " * 30, "w7 w8 " * 12]  # 90 and 24 tokens
+    ids, mask = lm.tok_batch_encode(prompts)  # left-padded [2, 90]
+    lm.set_cache("default")
+    try:
+        ours = lm._model_generate(ids, max_length=ids.shape[1] + 6, stop=[], attention_mask=mask, do_sample=False)
+    finally:
+        lm.set_cache("quant", bits=4)
+    with torch.no_grad():
+        plain = lm.model.generate(ids, attention_mask=mask, max_length=ids.shape[1] + 6, do_sample=False,
+                                  pad_token_id=2)
+    assert torch.equal(ours, plain)
 
 
 def test_perplexity_8bit_close_2bit_worse(lm, sampled_text):
@@ -216,8 +253,9 @@ def test_generate_until_task_goes_through_quant_cache(lm, tiny_dir):
     loaded, results = _evaluate(lm, tiny_dir, ["qcache_passkey"], 2, max_seq_lengths=[160], passkey_samples=2)
     prompt_tokens = [doc["prompt_tokens"] for doc in loaded["tasks"]["qcache_passkey"].test_docs()]
     assert lm.caches_built - built == 2  # one fresh cache per prompt
-    prefill_calls = sum(math.ceil(n / CHUNK) for n in prompt_tokens)  # prompts prefilled in chunks
-    assert lm.cache_updates - updates >= LAYERS * (prefill_calls + 2)  # ... then decoded from the cache
+    prefill_calls = sum(len(chunk_bounds(n - 1, CHUNK)) for n in prompt_tokens)  # prompts prefilled in chunks
+    # then generate's own calls, per prompt: the last prompt token, and at least one decoding step
+    assert lm.cache_updates - updates >= LAYERS * (prefill_calls + 2 * 2)
     assert 0 <= results["qcache_passkey"]["exact_match,none"] <= 1
     lm.set_cache("quant", bits=4)
 
@@ -310,6 +348,7 @@ def test_compare_writes_json_table_and_plot(tiny_dir, tmp_path):
                            "--ppl-doc-chars", "600", "--chunk-size", str(CHUNK), "--out", str(out)])
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["command"].startswith("python -m eval.compare --model")
+    assert data["git"] is None or len(data["git"]["commit"]) == 40
     rows = {r["cache"]: r for r in data["perplexity"]}
     assert set(rows) == {"default", "quant-8bit", "quant-2bit", "hf-quanto-2bit"}
     assert "token_perplexity_change_pct" in rows["quant-2bit"] and "token_perplexity_change_pct" not in rows["default"]
