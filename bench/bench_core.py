@@ -113,6 +113,8 @@ def to_markdown(result: dict) -> str:
             else:
                 lines.append(f"| {r['cache']} | {r['ppl']:.4f} | {r['delta_pct']:+.2f} % | {r['seconds']:.0f} |")
         lines.append("")
+    if result.get("notes"):
+        lines += [f"Note: {result['notes']}", ""]
     return "\n".join(lines)
 
 
