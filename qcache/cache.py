@@ -235,7 +235,7 @@ class QuantLayer(CacheLayerMixin):
         if self.rope is not None:
             k = self.rope.undo(k, p, self.layer_idx)  # fp32, pre-RoPE
         if self.k_static is not None:
-            zero, scale = (t.to(k.device)[None, :, None, :] for t in self.k_static)  # [1, H, 1, D]
+            zero, scale = self._static_key_range(k.device)
             k_codes = quantize(k, scale, zero, self.cfg.k_bits, self.k_codebook)
             k_scale = k_zero = self.k_scale[:, :, :0]  # no per-block key scales
         else:
@@ -276,6 +276,10 @@ class QuantLayer(CacheLayerMixin):
             self.res_k, self.res_v = self.res_k[:, :, surplus:], self.res_v[:, :, surplus:]
             self.res_pos = self.res_pos[:, surplus:]
 
+    def _static_key_range(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Calibrated static key zero/scale, [H, D] -> [1, H, 1, D] on `device`."""
+        return tuple(t.to(device)[None, :, None, :] for t in self.k_static)
+
     # -- reading ---------------------------------------------------------------------------------------------
     def _per_token(self, per_block: torch.Tensor) -> torch.Tensor:
         """[B, H, n_blocks, D] -> [B, H, Tq, D] following block_lens."""
@@ -291,7 +295,7 @@ class QuantLayer(CacheLayerMixin):
             return self.kq.new_empty(*self.kq.shape[:2], 0, self.res_k.shape[-1], dtype=self.dtype)
         codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
         if self.k_static is not None:
-            zero, scale = (t.to(codes.device)[None, :, None, :] for t in self.k_static)  # [1, H, 1, D]
+            zero, scale = self._static_key_range(codes.device)
             k = dequantize(codes, scale, zero, codebook=self.k_codebook)
         elif all(n == self.cfg.k_group_size for n in self.block_lens):
             B, H, Tq, D = codes.shape
