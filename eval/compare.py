@@ -138,7 +138,38 @@ def _use(lm, spec: CacheSpec) -> str | None:
     return None
 
 
-def run_perplexity(lm, specs: list[CacheSpec], path: str, docs: int, doc_chars: int) -> tuple[list[dict], int]:
+class Checkpoint:
+    """Rows finished so far, kept in `<out>.partial.json` so that `--resume` skips them after an interruption.
+
+    A resumed run must have the same model and settings as the one that wrote the file; otherwise it raises
+    rather than mixing results of two different runs.
+    """
+
+    def __init__(self, path: Path, identity: dict, resume: bool):
+        self.path, self.identity, self.rows = path, identity, {}
+        if resume and path.exists():
+            saved = json.loads(path.read_text())
+            if saved.get("identity") != identity:
+                raise ValueError(f"--resume: {path} was written by a run with other settings "
+                                 f"({saved.get('identity')}); this run has {identity}. Delete it or drop --resume.")
+            self.rows = saved["rows"]
+            log.info("resuming: %d rows from %s", len(self.rows), path)
+
+    def get(self, key: str) -> dict | None:
+        return self.rows.get(key)
+
+    def put(self, key: str, row: dict) -> None:
+        self.rows[key] = row
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"identity": self.identity, "rows": self.rows}, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def run_perplexity(lm, specs: list[CacheSpec], path: str, docs: int, doc_chars: int,
+                   checkpoint: Checkpoint | None = None) -> tuple[list[dict], int]:
     """One row per cache, and the number of tokens scored."""
     loaded = task_manager({"pretrained": path, "ppl_doc_chars": doc_chars}).load([PPL_TASK])
     _prepare(loaded, None)
@@ -146,6 +177,9 @@ def run_perplexity(lm, specs: list[CacheSpec], path: str, docs: int, doc_chars: 
     tokens = sum(test_docs.select(range(min(docs, len(test_docs))))["num_tokens"])
     rows = []
     for spec in specs:
+        if checkpoint is not None and (done := checkpoint.get(f"ppl|{spec.label}")) is not None:
+            rows.append(done)
+            continue
         row = {"cache": spec.label, "kind": spec.kind, "bits": spec.bits, "options": spec.options,
                "nominal_bits": spec.nominal_bits}
         if (error := _use(lm, spec)) is not None:
@@ -159,20 +193,28 @@ def run_perplexity(lm, specs: list[CacheSpec], path: str, docs: int, doc_chars: 
             continue
         metrics = {m: results[PPL_TASK].get(f"{m},none") for m in PPL_METRICS}
         rows.append({**row, **metrics, "seconds": seconds, "cache_updates": lm.cache_updates - updates})
+        if checkpoint is not None:
+            checkpoint.put(f"ppl|{spec.label}", rows[-1])
         log.info("%s: token PPL %.4f (%.0f s)", spec.label, metrics["token_perplexity"] or math.nan, seconds)
     return rows, tokens
 
 
 def run_retrieval(lm, specs: list[CacheSpec], path: str, tasks: list[str], lengths: list[int], samples: int,
-                  max_gen_toks: int) -> list[dict]:
+                  max_gen_toks: int, checkpoint: Checkpoint | None = None) -> list[dict]:
     """One row per cache and length: the accuracy of each task on the same `samples` prompts."""
     rows = []
     for length in lengths:
+        if checkpoint is not None and all(checkpoint.get(f"retrieval|{s.label}|{length}") for s in specs):
+            rows.extend(checkpoint.get(f"retrieval|{s.label}|{length}") for s in specs)
+            continue
         metadata = {"pretrained": path, "tokenizer": path, "max_seq_lengths": [length],
                     "passkey_samples": samples}
         loaded = task_manager(metadata).load(tasks)
         _prepare(loaded, max_gen_toks)
         for spec in specs:
+            if checkpoint is not None and (done := checkpoint.get(f"retrieval|{spec.label}|{length}")) is not None:
+                rows.append(done)
+                continue
             row = {"cache": spec.label, "kind": spec.kind, "bits": spec.bits, "options": spec.options,
                    "length": length}
             if (error := _use(lm, spec)) is not None:
@@ -185,6 +227,8 @@ def run_retrieval(lm, specs: list[CacheSpec], path: str, tasks: list[str], lengt
                 continue
             scores = {task: _score(results[task], length) for task in tasks}
             rows.append({**row, "accuracy": scores, "seconds": seconds})
+            if checkpoint is not None:
+                checkpoint.put(f"retrieval|{spec.label}|{length}", rows[-1])
             log.info("%s @ %d: %s (%.0f s)", spec.label, length, scores, seconds)
     return rows
 
@@ -395,6 +439,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="output path without suffix (default: docs/results/eval-<model>)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows a previous, interrupted run with the same settings saved in <out>.partial.json")
     p.add_argument("-v", "--verbose", action="store_true", help="log lm-eval's progress too")
     return p
 
@@ -426,15 +472,19 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     start, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S"), _load_average()
+    settings = {"ppl_docs": args.ppl_docs, "ppl_doc_chars": args.ppl_doc_chars, "chunk_size": args.chunk_size,
+                "retrieval_tasks": args.retrieval_tasks, "lengths": args.lengths, "samples": args.samples,
+                "max_gen_toks": args.max_gen_toks, "dtype": args.dtype, "device": device}
+    checkpoint = Checkpoint(Path(f"{out}.partial.json"), {"model": args.model, **settings}, args.resume)
     lm = QCacheLM(pretrained=path, cache="default", chunk_size=args.chunk_size, dtype=args.dtype, device=device,
                   batch_size=1)
     ppl_rows, ppl_tokens = [], None
     if args.caches:
-        ppl_rows, ppl_tokens = run_perplexity(lm, args.caches, path, args.ppl_docs, args.ppl_doc_chars)
+        ppl_rows, ppl_tokens = run_perplexity(lm, args.caches, path, args.ppl_docs, args.ppl_doc_chars, checkpoint)
     retrieval_rows = []
     if args.retrieval_caches:
         retrieval_rows = run_retrieval(lm, args.retrieval_caches, path, args.retrieval_tasks, args.lengths,
-                                       args.samples, args.max_gen_toks)
+                                       args.samples, args.max_gen_toks, checkpoint)
     add_deltas(ppl_rows, retrieval_rows)
     report = {
         "model": args.model, "model_path": path, "command": command, "started": started,
@@ -445,9 +495,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {"qcache": qcache.__version__, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
                      else _dist_version("lm_eval"), "transformers": transformers.__version__,
                      "torch": torch.__version__, "python": platform.python_version()},
-        "settings": {"ppl_docs": args.ppl_docs, "ppl_doc_chars": args.ppl_doc_chars, "chunk_size": args.chunk_size,
-                     "retrieval_tasks": args.retrieval_tasks, "lengths": args.lengths, "samples": args.samples,
-                     "max_gen_toks": args.max_gen_toks, "dtype": args.dtype, "device": device},
+        "settings": settings, "resumed": bool(args.resume and checkpoint.rows),
         "ppl_tokens": ppl_tokens,
         "perplexity": ppl_rows, "retrieval": retrieval_rows,
     }
@@ -455,6 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
     Path(f"{out}.md").write_text(markdown(report))
     plot(report, Path(f"{out}.png"))
     print(markdown(report))
+    checkpoint.discard()
     print(f"wrote {out}.json, {out}.md, {out}.png ({report['seconds_total']:.0f} s)")
     return report
 

@@ -368,3 +368,17 @@ def test_compare_parts_can_be_skipped(tiny_dir, tmp_path):
     report = compare.main(["--model", tiny_dir, "--caches", "--retrieval-caches", "--out", str(out)])
     assert report["perplexity"] == [] and report["retrieval"] == [] and report["ppl_tokens"] is None
     assert "## Perplexity" not in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
+
+
+def test_checkpoint_resumes_same_settings_only(tmp_path):
+    path = tmp_path / "run.partial.json"
+    first = compare.Checkpoint(path, {"model": "m", "samples": 4}, resume=False)
+    first.put("ppl|quant-4bit", {"cache": "quant-4bit", "token_perplexity": 12.5})
+    again = compare.Checkpoint(path, {"model": "m", "samples": 4}, resume=True)
+    assert again.get("ppl|quant-4bit") == {"cache": "quant-4bit", "token_perplexity": 12.5}
+    assert again.get("ppl|default") is None
+    assert compare.Checkpoint(path, {"model": "m", "samples": 4}, resume=False).get("ppl|quant-4bit") is None
+    with pytest.raises(ValueError, match="other settings"):
+        compare.Checkpoint(path, {"model": "m", "samples": 8}, resume=True)
+    again.discard()
+    assert not path.exists()
