@@ -53,7 +53,8 @@ from qcache.models import load_model
 log = logging.getLogger("bench_speed")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 ATTENTIONS = {"sdpa": "sdpa", "fp32": ATTN_IMPLEMENTATION}  # row suffix -> attn_implementation
-DEFAULT_ROWS = ["default", "default@fp32", "quant:8", "quant:4", "quant:4@fp32", "quant:2", "hf-quanto:4", "hf-hqq:4"]
+DEFAULT_ROWS = ["default", "default@fp32", "quant:8", "quant:4", "quant:4@fp32", "quant:4+compiled",
+                "quant:4+compiled@fp32", "quant:2", "hf-quanto:4", "hf-hqq:4"]
 DEFAULT_RSS_ROWS = ["default", "quant:8", "quant:4", "quant:2", "hf-quanto:4", "hf-hqq:4"]
 BASE = "default"  # the row every ratio is taken against: DynamicCache with stock sdpa
 
@@ -64,33 +65,40 @@ BASE = "default"  # the row every ratio is taken against: DynamicCache with stoc
 
 @dataclass(frozen=True)
 class Row:
-    """One benchmarked configuration, written `kind[:bits][@attn]` (e.g. `quant:4@fp32`)."""
+    """One benchmarked configuration, written `kind[:bits][+kernel][@attn]` (e.g. `quant:4+compiled@fp32`)."""
 
     kind: str
     bits: int | None = None
     attn: str = "sdpa"
+    kernel: str | None = None  # QuantCacheConfig.kernel (quant rows only); None: the config's default
 
     @classmethod
     def parse(cls, spec: str) -> "Row":
         body, _, attn = spec.partition("@")
+        body, _, kernel = body.partition("+")
         kind, _, bits = body.partition(":")
         attn = attn or "sdpa"
         if attn not in ATTENTIONS:
             raise ValueError(f"row {spec!r}: attention {attn!r} is not supported; allowed: {list(ATTENTIONS)}")
-        return cls(kind, int(bits) if bits else None, attn)
+        if kernel and kind != "quant":
+            raise ValueError(f"row {spec!r}: a kernel (+{kernel}) applies to quant rows only")
+        return cls(kind, int(bits) if bits else None, attn, kernel or None)
 
     @property
     def spec(self) -> str:
         bits = "" if self.bits is None else f":{self.bits}"
-        return f"{self.kind}{bits}" + ("" if self.attn == "sdpa" else f"@{self.attn}")
+        kernel = "" if self.kernel is None else f"+{self.kernel}"
+        return f"{self.kind}{bits}{kernel}" + ("" if self.attn == "sdpa" else f"@{self.attn}")
 
     @property
     def label(self) -> str:
         name = self.kind if self.bits is None else f"{self.kind}-{self.bits}bit"
+        name += "" if self.kernel is None else f"+{self.kernel}"
         return name if self.attn == "sdpa" else f"{name}@{self.attn}"
 
     def make_cache(self, config):
-        return build_cache(self.kind, config, self.bits)
+        options = {} if self.kernel is None else {"kernel": self.kernel}
+        return build_cache(self.kind, config, self.bits, **options)
 
     def apply_attention(self, model) -> None:
         if self.attn == "sdpa":
@@ -498,7 +506,9 @@ def check_targets(result: dict) -> list[dict]:
     """The targets this benchmark reports against (README / issue), each with the measured value."""
     dec = {(r["row"], r["context"]): r for r in result.get("decode", [])}
     targets = []
-    for label, name in (("quant-4bit", "QuantCache 4-bit"), ("quant-4bit@fp32", "QuantCache 4-bit + qcache_fp32")):
+    for label, name in (("quant-4bit", "QuantCache 4-bit"), ("quant-4bit@fp32", "QuantCache 4-bit + qcache_fp32"),
+                        ("quant-4bit+compiled", "QuantCache 4-bit, kernel=compiled"),
+                        ("quant-4bit+compiled@fp32", "QuantCache 4-bit, kernel=compiled + qcache_fp32")):
         for L in (4096, 8192):
             q4 = dec.get((label, L))
             if q4 is None:

@@ -31,8 +31,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 
 from .config import CLIP_RATIOS, QuantCacheConfig
 from .calibfile import CalibrationData, load_calibration
+from . import kernels
 from .quant import dequantize, pack, quantize, quantize_grouped, unpack
-from .rope import RopeHelper, modeling_module_of
+from .rope import RopeHelper, apply_rope_into, modeling_module_of
 
 __all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]
 
@@ -100,6 +101,20 @@ def _mark_padding(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(expected < 0, -1, position_ids).to(torch.int32)
 
 
+def _extend_run(start: int | None, held: int, new: torch.Tensor) -> int | None:
+    """The first position of the run `q_pos` forms once positions `new` [B, n] follow `held` tokens starting at
+    `start`; None when the rows differ or the run breaks (left padding, beams at different positions)."""
+    if new.shape[1] == 0:
+        return start
+    if held and start is None:
+        return None
+    first = int(new[0, 0])
+    run = first + torch.arange(new.shape[1], device=new.device, dtype=new.dtype)
+    if not bool((new == run).all()) or (held and first != start + held):
+        return None
+    return first if not held else start
+
+
 class QuantLayer(CacheLayerMixin):
     """One layer of `QuantCache` (see the module docstring for the layout)."""
 
@@ -141,6 +156,9 @@ class QuantLayer(CacheLayerMixin):
         self.vq = self.v_scale = self.v_zero = None
         self.q_pos = None
         self.block_lens: list[int] = []
+        # read fast paths, kept up to date where the quantized region changes (not recomputed per step):
+        self._uniform_blocks = True  # every key block holds k_group_size tokens
+        self._q_start: int | None = None  # q_pos is start, start+1, ... in every row (else None)
         self.res_k = self.res_v = self.res_pos = None
         self.cumulative_length = 0  # tokens ever seen (what sliding masks count)
 
@@ -217,8 +235,7 @@ class QuantLayer(CacheLayerMixin):
         self.res_pos = torch.cat([self.res_pos, pos[:, n_sink:]], dim=1)
         self._flush()
 
-        keys = torch.cat([self.sink_k, self._dequantized_keys(), self.res_k], dim=2)
-        values = torch.cat([self.sink_v, self._dequantized_values(), self.res_v], dim=2)
+        keys, values = self._read()
         if self.is_sliding:
             keys, values = keys[:, :, -(kv_before + T):], values[:, :, -(kv_before + T):]
             self._evict()
@@ -251,6 +268,7 @@ class QuantLayer(CacheLayerMixin):
         self.k_zero = torch.cat([self.k_zero, k_zero], dim=2)
         self.v_scale = torch.cat([self.v_scale, v_scale], dim=2)
         self.v_zero = torch.cat([self.v_zero, v_zero], dim=2)
+        self._q_start = _extend_run(self._q_start, self.q_pos.shape[1], p)
         self.q_pos = torch.cat([self.q_pos, p], dim=1)
         if self.k_static is None:
             self.block_lens.extend([G] * (n // G))
@@ -265,12 +283,15 @@ class QuantLayer(CacheLayerMixin):
             for name in ("kq", "vq", "v_scale", "v_zero"):
                 setattr(self, name, getattr(self, name)[:, :, drop:])
             self.q_pos = self.q_pos[:, drop:]
+            self._q_start = None if self._q_start is None else self._q_start + drop
         while self.block_lens and self.stored_length() - self.block_lens[0] >= keep:
             n = self.block_lens.pop(0)
             for name in ("kq", "vq", "v_scale", "v_zero"):
                 setattr(self, name, getattr(self, name)[:, :, n:])
             self.k_scale, self.k_zero = self.k_scale[:, :, 1:], self.k_zero[:, :, 1:]
             self.q_pos = self.q_pos[:, n:]
+            self._q_start = None if self._q_start is None else self._q_start + n
+            self._uniform_blocks = all(b == self.cfg.k_group_size for b in self.block_lens)
         surplus = self.stored_length() - keep
         if self.kq.shape[2] == 0 and surplus > 0:  # only full-precision tokens left: trim them exactly
             self.res_k, self.res_v = self.res_k[:, :, surplus:], self.res_v[:, :, surplus:]
@@ -281,24 +302,46 @@ class QuantLayer(CacheLayerMixin):
         return tuple(t.to(device)[None, :, None, :] for t in self.k_static)
 
     # -- reading ---------------------------------------------------------------------------------------------
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as the cache holds them: [sinks | dequantized | residual], [B, H, T_stored, D]."""
+        S, Tq, R = self.sink_k.shape[2], self.kq.shape[2], self.res_k.shape[2]
+        if Tq == 0:
+            return torch.cat([self.sink_k, self.res_k], dim=2), torch.cat([self.sink_v, self.res_v], dim=2)
+        if self.cfg.kernel == "compiled" and self._fused_layout():
+            cos = sin = None
+            if self.rope is not None:
+                cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, self.kq.device)
+            keys = kernels.compiled("read_keys")(self.sink_k, self.kq, self.k_scale, self.k_zero, cos, sin,
+                                                 self.res_k, self.cfg.k_bits, self.cfg.k_group_size, self.k_codebook)
+            values = kernels.compiled("read_values")(self.sink_v, self.vq, self.v_scale, self.v_zero, self.res_v,
+                                                     self.cfg.v_bits, self.v_group, self.v_codebook)
+            return keys, values
+        B, H, _, D = self.res_k.shape
+        keys = self.res_k.new_empty(B, H, S + Tq + R, D)
+        values = self.res_v.new_empty(B, H, S + Tq + R, D)
+        keys[:, :, :S], keys[:, :, S + Tq:] = self.sink_k, self.res_k
+        values[:, :, :S], values[:, :, S + Tq:] = self.sink_v, self.res_v
+        self._dequantize_keys_into(keys[:, :, S:S + Tq])
+        self._dequantize_values_into(values[:, :, S:S + Tq])
+        return keys, values
+
+    def _fused_layout(self) -> bool:
+        """The layout `kernels` handles: full key blocks with per-block scales, one position run for all rows."""
+        return self.k_static is None and self._uniform_blocks and (self.rope is None or self._q_start is not None)
+
     def _per_token(self, per_block: torch.Tensor) -> torch.Tensor:
         """[B, H, n_blocks, D] -> [B, H, Tq, D] following block_lens."""
-        G = self.cfg.k_group_size
-        if all(n == G for n in self.block_lens):
-            B, H, nb, D = per_block.shape
-            return per_block.unsqueeze(3).expand(B, H, nb, G, D).reshape(B, H, nb * G, D)
         lens = torch.tensor(self.block_lens, device=per_block.device)
         return per_block.repeat_interleave(lens, dim=2)
 
-    def _dequantized_keys(self) -> torch.Tensor:
-        if self.kq.shape[2] == 0:
-            return self.kq.new_empty(*self.kq.shape[:2], 0, self.res_k.shape[-1], dtype=self.dtype)
+    def _dequantize_keys_into(self, out: torch.Tensor) -> None:
+        """Write the quantized region's keys (RoPE re-applied, in the cache dtype) into `out` [B, H, Tq, D]."""
         codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
+        B, H, Tq, D = codes.shape
         if self.k_static is not None:
             zero, scale = self._static_key_range(codes.device)
             k = dequantize(codes, scale, zero, codebook=self.k_codebook)
-        elif all(n == self.cfg.k_group_size for n in self.block_lens):
-            B, H, Tq, D = codes.shape
+        elif self._uniform_blocks:
             nb = len(self.block_lens)
             # [B, H, Tq, D] -> [B, H, nb, G, D]: one scale/zero per block broadcast over its G tokens
             k = dequantize(codes.view(B, H, nb, Tq // nb, D), self.k_scale.unsqueeze(3), self.k_zero.unsqueeze(3),
@@ -306,20 +349,35 @@ class QuantLayer(CacheLayerMixin):
         else:  # a crop left a partial block
             k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
                            codebook=self.k_codebook)
-        if self.rope is not None:
-            k = self.rope.redo(k, self.q_pos, self.layer_idx)
-        return k.to(self.dtype)
+        if self.rope is None:
+            out.copy_(k)
+            return
+        if self._q_start is not None:
+            cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, codes.device)
+        else:
+            cos, sin = self.rope.cos_sin(self.q_pos, self.layer_idx)
+        apply_rope_into(out, k, cos, sin)
 
-    def _dequantized_values(self) -> torch.Tensor:
-        if self.vq.shape[2] == 0:
-            return self.vq.new_empty(*self.vq.shape[:2], 0, self.res_v.shape[-1], dtype=self.dtype)
+    def _dequantize_values_into(self, out: torch.Tensor) -> None:
         codes = unpack(self.vq, self.cfg.v_bits)  # [B, H, Tq, D]
         B, H, Tq, D = codes.shape
         g = self.v_group
         # [B, H, Tq, D] -> [B, H, Tq, D/g, g] to broadcast one scale per group
-        v = dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1), self.v_zero.unsqueeze(-1),
-                       codebook=self.v_codebook)
-        return v.view(B, H, Tq, D).to(self.dtype)
+        out.copy_(dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1),
+                             self.v_zero.unsqueeze(-1), codebook=self.v_codebook).view(B, H, Tq, D))
+
+    def _dequantized_keys(self) -> torch.Tensor:
+        """The quantized region's keys alone, [B, H, Tq, D] in the cache dtype."""
+        out = self.res_k.new_empty(*self.kq.shape[:3], self.res_k.shape[-1])
+        if out.shape[2]:
+            self._dequantize_keys_into(out)
+        return out
+
+    def _dequantized_values(self) -> torch.Tensor:
+        out = self.res_v.new_empty(*self.vq.shape[:3], self.res_v.shape[-1])
+        if out.shape[2]:
+            self._dequantize_values_into(out)
+        return out
 
     # -- transformers' layer contract ------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -390,6 +448,7 @@ class QuantLayer(CacheLayerMixin):
                     self.block_lens.pop()
             nb = len(self.block_lens)
             self.k_scale, self.k_zero = self.k_scale[:, :, :nb].clone(), self.k_zero[:, :, :nb].clone()
+            self._uniform_blocks = all(b == self.cfg.k_group_size for b in self.block_lens)
             n -= q
         if n:
             end = self.sink_k.shape[2] - n

@@ -12,9 +12,10 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
 SLIDING_MODES = ("native", "quantized")
 ROPE_MODES = ("pre", "post")
+KERNELS = ("eager", "compiled")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 
-__all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES"]
+__all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS"]
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -51,6 +52,10 @@ class QuantCacheConfig:
         codebooks: with a calibration file, use its non-uniform per-layer codebooks (else uniform levels).
         static_keys: with a calibration file, use its static per-channel pre-RoPE key ranges: keys are quantized
             as they arrive (no full-precision block, no per-block key scales).
+        kernel: how the cache is read each step. "eager": plain PyTorch ops. "compiled": unpack, dequantize,
+            RoPE and the cast fused by `torch.compile` (qcache/kernels.py): the same values, faster decode, a
+            one-time compile (seconds) on first use; needs what torch.compile needs on the device (a C++ compiler
+            on CPU) and raises if it is missing. Layouts it does not cover are read eagerly (same values).
 
     Example:
         >>> QuantCacheConfig(bits=2).k_bits
@@ -70,6 +75,7 @@ class QuantCacheConfig:
     clip_search: bool = False
     codebooks: bool = True
     static_keys: bool = False
+    kernel: str = "eager"
 
     def __post_init__(self) -> None:
         if self.bits is not None:
@@ -90,6 +96,7 @@ class QuantCacheConfig:
         _check_choice("rope", self.rope, ROPE_MODES)
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
         _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
+        _check_choice("kernel", self.kernel, KERNELS)
         for name in ("clip_search", "codebooks", "static_keys"):
             _check_choice(name, getattr(self, name), (True, False))
 

@@ -53,6 +53,19 @@ def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return apply_rope(x, cos / norm, -sin / norm)
 
 
+def apply_rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`out[...] = apply_rope(x, cos, sin)` (cast to out's dtype) without the temporaries of rotate_half: each half
+    is computed once and written straight into `out` (same arithmetic, so the same values)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, R]
+    r = cos.shape[-1]
+    h = r // 2
+    x1, x2 = x[..., :h], x[..., h:r]
+    out[..., :h] = x1 * cos[..., :h] - x2 * sin[..., :h]
+    out[..., h:r] = x2 * cos[..., h:] + x1 * sin[..., h:]
+    if r < x.shape[-1]:
+        out[..., r:] = x[..., r:]
+
+
 def has_rope(text_config) -> bool:
     return getattr(text_config, "rope_parameters", None) is not None
 
@@ -162,6 +175,18 @@ class RopeHelper:
             n = position_ids.shape[1]
             return table[0][start:start + n].unsqueeze(0), table[1][start:start + n].unsqueeze(0)  # [1, T, R]
         return table[0][position_ids], table[1][position_ids]  # [B, T, R]
+
+    def cos_sin_range(self, start: int, n: int, layer_idx: int,
+                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [1, n, R] for positions start..start+n-1 in every row: a view of the table (no gather)
+        for table-based RoPE types."""
+        if n == 0 or self.rope_types[self._layer_type(layer_idx)] in _SEQ_DEPENDENT_ROPE:
+            return self.cos_sin(torch.arange(start, start + n, device=device)[None], layer_idx)
+        # one position, the last: extends the table if needed and returns its row, a view of the table
+        last = torch.full((1, 1), start + n - 1, device=device)
+        self.cos_sin(last, layer_idx)
+        cos, sin = self._tables[(self._layer_type(layer_idx), last.device)]
+        return cos[start:start + n].unsqueeze(0), sin[start:start + n].unsqueeze(0)
 
     # -- rotation --------------------------------------------------------------------------------------------
     def redo(self, x: torch.Tensor, position_ids: torch.Tensor, layer_idx: int) -> torch.Tensor:
