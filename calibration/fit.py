@@ -4,12 +4,15 @@ Both are fitted on samples normalised exactly as the cache normalises them at ru
     keys    per channel over blocks of `k_group_size` tokens (or over the static range), pre-RoPE
     values  per token over groups of `v_group_size` channels
 so a sample u lies in [0, 1] of its group's range. Each sample is weighted by its sensitivity times the square of
-its group's range (the error in model units is range * (u - level)).
+its group's range (the error in model units is range * (u - level)). With dense-and-sparse outliers the range comes
+from the values that stay in the group, and the outliers (kept exactly) get weight 0.
 """
 
 from __future__ import annotations
 
 import torch
+
+from qcache.quant import select_outliers
 
 __all__ = ["weighted_lloyd", "key_samples", "value_samples", "fit_codebook", "fit_static_key_range",
            "CLIP_CANDIDATES"]
@@ -45,8 +48,22 @@ def _subsample(u: torch.Tensor, w: torch.Tensor, max_samples: int, gen: torch.Ge
     return u, w
 
 
+def _normalise(x: torch.Tensor, dim: int, outliers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped x (groups along `dim`) -> (u in [0, 1] of each group's range, range, keep mask)."""
+    if outliers:
+        _, _, keep = select_outliers(x.movedim(dim, -1).flatten(0, -2), outliers, x.shape[dim], dim=-1)
+        keep = keep.view(*x.movedim(dim, -1).shape).movedim(-1, dim)
+    else:
+        keep = torch.ones_like(x, dtype=torch.bool)
+    lo = x.masked_fill(~keep, float("inf")).amin(dim, keepdim=True)
+    hi = x.masked_fill(~keep, float("-inf")).amax(dim, keepdim=True)
+    rng = (hi - lo).clamp(min=1e-12)
+    return ((x - lo) / rng).clamp(0, 1), rng, keep
+
+
 def key_samples(keys: torch.Tensor, k_weight: torch.Tensor, group_size: int,
-                static: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                static: tuple[torch.Tensor, torch.Tensor] | None = None, outliers: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [H, N, D] pre-RoPE, k_weight [H, D] -> normalised samples u and weights w (same shape)."""
     H, N, D = keys.shape
     if static is not None:
@@ -56,22 +73,18 @@ def key_samples(keys: torch.Tensor, k_weight: torch.Tensor, group_size: int,
         return u, w
     n = N // group_size * group_size
     x = keys[:, :n].reshape(H, n // group_size, group_size, D)  # [H, blocks, G, D]
-    lo, hi = x.amin(2, keepdim=True), x.amax(2, keepdim=True)
-    rng = (hi - lo).clamp(min=1e-12)
-    u = (x - lo) / rng
-    w = (k_weight[:, None, None, :] * rng.pow(2)).expand_as(u)
+    u, rng, keep = _normalise(x, 2, outliers)
+    w = (k_weight[:, None, None, :] * rng.pow(2)) * keep
     return u, w
 
 
-def value_samples(values: torch.Tensor, v_weight: torch.Tensor, group_size: int
+def value_samples(values: torch.Tensor, v_weight: torch.Tensor, group_size: int, outliers: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """values [H, N, D], v_weight [H, N] -> normalised samples u and weights w."""
     H, N, D = values.shape
     x = values.reshape(H, N, D // group_size, group_size)  # [H, N, groups, g]
-    lo, hi = x.amin(3, keepdim=True), x.amax(3, keepdim=True)
-    rng = (hi - lo).clamp(min=1e-12)
-    u = (x - lo) / rng
-    w = (v_weight[:, :, None, None] * rng.pow(2)).expand_as(u)
+    u, rng, keep = _normalise(x, 3, outliers)
+    w = (v_weight[:, :, None, None] * rng.pow(2)) * keep
     return u, w
 
 

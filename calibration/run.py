@@ -39,8 +39,8 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
         zero, rng = fit_static_key_range(s["keys"], options.k_bits, seed=seed)
         static_scale = rng / (2**options.k_bits - 1)
         k_u, k_w = key_samples(s["keys"], s["k_weight"], options.k_group_size,
-                               static=(zero, rng) if options.static_keys else None)
-        v_u, v_w = value_samples(s["values"], s["v_weight"], v_group)
+                               static=(zero, rng) if options.static_keys else None, outliers=options.outliers)
+        v_u, v_w = value_samples(s["values"], s["v_weight"], v_group, outliers=options.outliers)
         layers[idx] = {
             "k_codebook": fit_codebook(k_u, k_w, options.k_bits, seed=seed),
             "v_codebook": fit_codebook(v_u, v_w, options.v_bits, seed=seed),

@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from .config import CLIP_RATIOS, QuantCacheConfig
 from .calibfile import CalibrationData, load_calibration
 from . import kernels
-from .quant import dequantize, pack, quantize, quantize_grouped, unpack
+from .quant import dequantize, pack, quantize, quantize_grouped, scatter_outliers, select_outliers, unpack
 from .rope import RopeHelper, apply_rope_into, modeling_module_of
 
 __all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]
@@ -55,15 +55,16 @@ class CacheMemory:
     full_precision: int = 0  # sinks, the block being filled, the recent window, native sliding layers
     positions: int = 0  # int32 positions per token
     tokens: int = 0  # tokens held by the longest layer
+    outliers: int = 0  # dense-and-sparse outliers: values and their 1-byte offsets
 
     @property
     def total(self) -> int:
-        return self.packed + self.scales + self.full_precision + self.positions
+        return self.packed + self.scales + self.full_precision + self.positions + self.outliers
 
     def __add__(self, other: "CacheMemory") -> "CacheMemory":
         return CacheMemory(
             self.packed + other.packed, self.scales + other.scales, self.full_precision + other.full_precision,
-            self.positions + other.positions, max(self.tokens, other.tokens),
+            self.positions + other.positions, max(self.tokens, other.tokens), self.outliers + other.outliers,
         )
 
 
@@ -155,6 +156,9 @@ class QuantLayer(CacheLayerMixin):
         self.kq = self.k_scale = self.k_zero = None
         self.vq = self.v_scale = self.v_zero = None
         self.q_pos = None
+        # outliers (cfg.outliers > 0): offsets (uint8) and values (cache dtype) per key channel per block
+        # [B, H, n_blocks, m, D] and per value group per token [B, H, Tq, D / v_group_size, m]
+        self.k_oi = self.k_ov = self.v_oi = self.v_ov = None
         self.block_lens: list[int] = []
         # read fast paths, kept up to date where the quantized region changes (not recomputed per step):
         self._uniform_blocks = True  # every key block holds k_group_size tokens
@@ -181,13 +185,18 @@ class QuantLayer(CacheLayerMixin):
         self.v_scale = empty(B, H, 0, ng, dtype=self.scale_dtype)
         self.v_zero = empty(B, H, 0, ng, dtype=self.scale_dtype)
         self.q_pos = empty(B, 0, dtype=torch.int32)
+        m = self.cfg.outliers
+        if m:
+            self.k_oi, self.k_ov = empty(B, H, 0, m, D, dtype=torch.uint8), empty(B, H, 0, m, D)
+            self.v_oi, self.v_ov = empty(B, H, 0, ng, m, dtype=torch.uint8), empty(B, H, 0, ng, m)
         self.res_k, self.res_v = empty(B, H, 0, D), empty(B, H, 0, D)
         self.res_pos = empty(B, 0, dtype=torch.int32)
         self.is_initialized = True
 
     def _batch_tensors(self) -> list[str]:
-        return ["sink_k", "sink_v", "sink_pos", "kq", "k_scale", "k_zero", "vq", "v_scale", "v_zero", "q_pos",
-                "res_k", "res_v", "res_pos"]
+        names = ["sink_k", "sink_v", "sink_pos", "kq", "k_scale", "k_zero", "vq", "v_scale", "v_zero", "q_pos",
+                 "res_k", "res_v", "res_pos"]
+        return names + (["k_oi", "k_ov", "v_oi", "v_ov"] if self.cfg.outliers else [])
 
     @property
     def quantized_length(self) -> int:
@@ -251,6 +260,13 @@ class QuantLayer(CacheLayerMixin):
         valid = (p >= 0)[:, None, :, None]  # [B, 1, n, 1]: padding stays out of the statistics
         if self.rope is not None:
             k = self.rope.undo(k, p, self.layer_idx)  # fp32, pre-RoPE
+        v_keep = None
+        if self.cfg.outliers:  # dense-and-sparse: the farthest values of each group are kept, out of its range
+            m = self.cfg.outliers
+            k_oi, k_ov, valid = select_outliers(k, m, G, dim=2, mask=valid)
+            v_oi, v_ov, v_keep = select_outliers(v, m, self.v_group, dim=3)
+            self.k_oi, self.k_ov = torch.cat([self.k_oi, k_oi], 2), torch.cat([self.k_ov, k_ov.to(self.dtype)], 2)
+            self.v_oi, self.v_ov = torch.cat([self.v_oi, v_oi], 2), torch.cat([self.v_ov, v_ov.to(self.dtype)], 2)
         if self.k_static is not None:
             zero, scale = self._static_key_range(k.device)
             k_codes = quantize(k, scale, zero, self.cfg.k_bits, self.k_codebook)
@@ -259,7 +275,7 @@ class QuantLayer(CacheLayerMixin):
             k_codes, k_scale, k_zero = quantize_grouped(k, self.cfg.k_bits, G, dim=2, mask=valid,
                                                         scale_dtype=self.scale_dtype, codebook=self.k_codebook,
                                                         clip_ratios=self.clip_ratios)
-        v_codes, v_scale, v_zero = quantize_grouped(v, self.cfg.v_bits, self.v_group, dim=3,
+        v_codes, v_scale, v_zero = quantize_grouped(v, self.cfg.v_bits, self.v_group, dim=3, mask=v_keep,
                                                     scale_dtype=self.scale_dtype, codebook=self.v_codebook,
                                                     clip_ratios=self.clip_ratios)
         self.kq = torch.cat([self.kq, pack(k_codes, self.cfg.k_bits)], dim=2)
@@ -286,9 +302,10 @@ class QuantLayer(CacheLayerMixin):
             self._q_start = None if self._q_start is None else self._q_start + drop
         while self.block_lens and self.stored_length() - self.block_lens[0] >= keep:
             n = self.block_lens.pop(0)
-            for name in ("kq", "vq", "v_scale", "v_zero"):
+            for name in self._per_token_names():
                 setattr(self, name, getattr(self, name)[:, :, n:])
-            self.k_scale, self.k_zero = self.k_scale[:, :, 1:], self.k_zero[:, :, 1:]
+            for name in self._per_block_names():
+                setattr(self, name, getattr(self, name)[:, :, 1:])
             self.q_pos = self.q_pos[:, n:]
             self._q_start = None if self._q_start is None else self._q_start + n
             self._uniform_blocks = all(b == self.cfg.k_group_size for b in self.block_lens)
@@ -296,6 +313,14 @@ class QuantLayer(CacheLayerMixin):
         if self.kq.shape[2] == 0 and surplus > 0:  # only full-precision tokens left: trim them exactly
             self.res_k, self.res_v = self.res_k[:, :, surplus:], self.res_v[:, :, surplus:]
             self.res_pos = self.res_pos[:, surplus:]
+
+    def _per_token_names(self) -> list[str]:
+        """Tensors of the quantized region with one entry per token on dim 2."""
+        return ["kq", "vq", "v_scale", "v_zero"] + (["v_oi", "v_ov"] if self.cfg.outliers else [])
+
+    def _per_block_names(self) -> list[str]:
+        """Tensors with one entry per key block on dim 2."""
+        return ["k_scale", "k_zero"] + (["k_oi", "k_ov"] if self.cfg.outliers else [])
 
     def _static_key_range(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Calibrated static key zero/scale, [H, D] -> [1, H, 1, D] on `device`."""
@@ -327,7 +352,8 @@ class QuantLayer(CacheLayerMixin):
 
     def _fused_layout(self) -> bool:
         """The layout `kernels` handles: full key blocks with per-block scales, one position run for all rows."""
-        return self.k_static is None and self._uniform_blocks and (self.rope is None or self._q_start is not None)
+        return (self.k_static is None and not self.cfg.outliers and self._uniform_blocks
+                and (self.rope is None or self._q_start is not None))
 
     def _per_token(self, per_block: torch.Tensor) -> torch.Tensor:
         """[B, H, n_blocks, D] -> [B, H, Tq, D] following block_lens."""
@@ -345,10 +371,15 @@ class QuantLayer(CacheLayerMixin):
             nb = len(self.block_lens)
             # [B, H, Tq, D] -> [B, H, nb, G, D]: one scale/zero per block broadcast over its G tokens
             k = dequantize(codes.view(B, H, nb, Tq // nb, D), self.k_scale.unsqueeze(3), self.k_zero.unsqueeze(3),
-                           codebook=self.k_codebook).view(B, H, Tq, D)
+                           codebook=self.k_codebook)
+            if self.cfg.outliers:
+                scatter_outliers(k, 3, self.k_oi, self.k_ov)
+            k = k.view(B, H, Tq, D)
         else:  # a crop left a partial block
             k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
                            codebook=self.k_codebook)
+            if self.cfg.outliers:
+                k = self._scatter_key_outliers_partial(k)
         if self.rope is None:
             out.copy_(k)
             return
@@ -358,13 +389,28 @@ class QuantLayer(CacheLayerMixin):
             cos, sin = self.rope.cos_sin(self.q_pos, self.layer_idx)
         apply_rope_into(out, k, cos, sin)
 
+    def _scatter_key_outliers_partial(self, k: torch.Tensor) -> torch.Tensor:
+        """Key outliers into per-token keys [B, H, Tq, D] when blocks differ in length (after a crop): outliers
+        whose token was cropped go to a scratch row that is dropped."""
+        B, H, Tq, D = k.shape
+        lens = torch.tensor(self.block_lens, device=k.device)
+        starts = (lens.cumsum(0) - lens)[None, None, :, None, None]  # [1, 1, nb, 1, 1]
+        offset = self.k_oi.long()  # [B, H, nb, m, D]
+        token = torch.where(offset < lens[None, None, :, None, None], starts + offset, Tq)
+        scratch = torch.cat([k, k.new_zeros(B, H, 1, D)], dim=2)
+        scratch.scatter_(2, token.flatten(2, 3), self.k_ov.flatten(2, 3).to(k.dtype))
+        return scratch[:, :, :Tq]
+
     def _dequantize_values_into(self, out: torch.Tensor) -> None:
         codes = unpack(self.vq, self.cfg.v_bits)  # [B, H, Tq, D]
         B, H, Tq, D = codes.shape
         g = self.v_group
         # [B, H, Tq, D] -> [B, H, Tq, D/g, g] to broadcast one scale per group
-        out.copy_(dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1),
-                             self.v_zero.unsqueeze(-1), codebook=self.v_codebook).view(B, H, Tq, D))
+        v = dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1), self.v_zero.unsqueeze(-1),
+                       codebook=self.v_codebook)
+        if self.cfg.outliers:
+            scatter_outliers(v, 4, self.v_oi, self.v_ov)
+        out.copy_(v.view(B, H, Tq, D))
 
     def _dequantized_keys(self) -> torch.Tensor:
         """The quantized region's keys alone, [B, H, Tq, D] in the cache dtype."""
@@ -400,7 +446,7 @@ class QuantLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
-        for name in self._batch_tensors():
+        for name in self._batch_tensors():  # every one is a tensor once initialized
             setattr(self, name, fn(getattr(self, name)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -436,7 +482,7 @@ class QuantLayer(CacheLayerMixin):
         q = min(n, self.kq.shape[2])
         if q:
             end = self.kq.shape[2] - q
-            for name in ("kq", "vq", "v_scale", "v_zero"):
+            for name in self._per_token_names():
                 setattr(self, name, getattr(self, name)[:, :, :end].clone())
             self.q_pos = self.q_pos[:, :end].clone()
             left = q if self.k_static is None else 0
@@ -447,7 +493,8 @@ class QuantLayer(CacheLayerMixin):
                 if self.block_lens[-1] == 0:
                     self.block_lens.pop()
             nb = len(self.block_lens)
-            self.k_scale, self.k_zero = self.k_scale[:, :, :nb].clone(), self.k_zero[:, :, :nb].clone()
+            for name in self._per_block_names():
+                setattr(self, name, getattr(self, name)[:, :, :nb].clone())
             self._uniform_blocks = all(b == self.cfg.k_group_size for b in self.block_lens)
             n -= q
         if n:
@@ -465,6 +512,7 @@ class QuantLayer(CacheLayerMixin):
             full_precision=_nbytes(self.sink_k, self.sink_v, self.res_k, self.res_v),
             positions=_nbytes(self.sink_pos, self.q_pos, self.res_pos),
             tokens=self.stored_length(),
+            outliers=_nbytes(self.k_oi, self.k_ov, self.v_oi, self.v_ov),
         )
 
 

@@ -52,6 +52,10 @@ class QuantCacheConfig:
         codebooks: with a calibration file, use its non-uniform per-layer codebooks (else uniform levels).
         static_keys: with a calibration file, use its static per-channel pre-RoPE key ranges: keys are quantized
             as they arrive (no full-precision block, no per-block key scales).
+        outliers: dense-and-sparse quantization: per quantization group (a key channel over a block of
+            `k_group_size` tokens; a value token over `v_group_size` channels), this many values farthest from the
+            group's median are kept in the cache dtype with a 1-byte offset, and the group's range comes from the
+            rest. 0: off. Not combinable with static_keys.
         kernel: how the cache is read each step. "eager": plain PyTorch ops. "compiled": unpack, dequantize,
             RoPE and the cast fused by `torch.compile` (qcache/kernels.py): the same values, faster decode, a
             one-time compile (seconds) on first use; needs what torch.compile needs on the device (a C++ compiler
@@ -76,6 +80,7 @@ class QuantCacheConfig:
     codebooks: bool = True
     static_keys: bool = False
     kernel: str = "eager"
+    outliers: int = 0
 
     def __post_init__(self) -> None:
         if self.bits is not None:
@@ -97,6 +102,17 @@ class QuantCacheConfig:
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
         _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
         _check_choice("kernel", self.kernel, KERNELS)
+        _check_nonneg_int("outliers", self.outliers)
+        if self.outliers:
+            if self.static_keys:
+                raise ValueError("outliers > 0 is not supported with static_keys=True; allowed: outliers=0")
+            if max(self.k_group_size, self.v_group_size or 0) > 256:
+                raise ValueError(f"outliers need groups of at most 256 (1-byte offsets); got k_group_size="
+                                 f"{self.k_group_size}, v_group_size={self.v_group_size}")
+            smallest = min(self.k_group_size, self.v_group_size or 8)
+            if self.outliers >= smallest:
+                raise ValueError(f"outliers={self.outliers} must be smaller than every group (k_group_size="
+                                 f"{self.k_group_size}, v_group_size={self.v_group_size or 'auto, >= 8'})")
         for name in ("clip_search", "codebooks", "static_keys"):
             _check_choice(name, getattr(self, name), (True, False))
 
@@ -150,6 +166,10 @@ class QuantCacheConfig:
             q * head_dim * (self.k_bits + self.v_bits) / 8  # packed codes
             + (0 if self.static_keys else q // self.k_group_size) * head_dim * 2 * sb  # key scale+zero per block
             + q * (head_dim // self.value_group_size(head_dim)) * 2 * sb  # value scale+zero per token per group
+            # outliers: a value in the cache dtype + a 1-byte offset each, per key channel per block and per value
+            # group per token
+            + self.outliers * (q // self.k_group_size * head_dim + q * (head_dim // self.value_group_size(head_dim)))
+            * (fp_bytes + 1)
             + fp * head_dim * 2 * fp_bytes  # full-precision K and V
         )
         positions = num_tokens * 4  # int32 position per token (per batch row, per layer)

@@ -30,6 +30,8 @@ __all__ = [
     "UNPACKERS",
     "pack",
     "unpack",
+    "select_outliers",
+    "scatter_outliers",
     "packed_size",
     "pack_2bit_u8",
     "unpack_2bit_u8",
@@ -205,6 +207,38 @@ def _grouped_view(x: torch.Tensor, group_size: int, dim: int) -> tuple[torch.Ten
         raise ValueError(f"group_size={group_size} does not divide the size {n} of dim {dim}")
     # [..., n, ...] -> [..., n/g, g, ...]; the group axis is dim + 1
     return x.unflatten(dim, (n // group_size, group_size)), dim + 1
+
+
+def select_outliers(x: torch.Tensor, count: int, group_size: int, dim: int, mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense-and-sparse split: in each group of `group_size` elements along `dim`, the `count` elements farthest
+    from the group's median (padding excluded via `mask`) are outliers, kept exactly instead of quantized.
+
+    Returns:
+        idx: uint8 offsets of the outliers within their group; shape of x with `dim` split into [n/g, count].
+        values: the outliers, same shape as idx, fp32.
+        keep: bool, shape of x; False at outliers (and where `mask` is False): what the group's range comes from.
+    """
+    if not 0 < count < group_size:
+        raise ValueError(f"outliers={count} per group must be in [1, {group_size - 1}] for groups of {group_size}")
+    xg, gdim = _grouped_view(x.float(), group_size, dim)
+    if mask is not None:
+        mg, _ = _grouped_view(mask.expand_as(x), group_size, dim)
+        centre = xg.masked_fill(~mg, float("nan")).nanmedian(gdim, keepdim=True).values.nan_to_num(0.0)
+        score = (xg - centre).abs().masked_fill(~mg, -1.0)
+    else:
+        centre = xg.median(gdim, keepdim=True).values
+        score = (xg - centre).abs()
+    idx = score.topk(count, dim=gdim, sorted=False).indices  # [..., n/g, count, ...]
+    keep = torch.ones_like(xg, dtype=torch.bool).scatter_(gdim, idx, False)
+    if mask is not None:
+        keep &= mg
+    return idx.to(torch.uint8), xg.gather(gdim, idx), keep.flatten(gdim - 1, gdim)
+
+
+def scatter_outliers(xg: torch.Tensor, gdim: int, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Write outliers back (in place) into a grouped view `xg` (group axis `gdim`) of dequantized values."""
+    return xg.scatter_(gdim, idx.long(), values.to(xg.dtype))
 
 
 def quantize_grouped(
