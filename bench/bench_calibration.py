@@ -47,6 +47,32 @@ def bits_per_value(cache, model_config, ids) -> float | None:
     return 8 * cache.memory().total / values
 
 
+TARGET_PCT = {4: 0.5, 3: 2.0, 2: 15.0}  # the calibration issue's ceilings on the perplexity change
+
+
+def targets_section(rows: list[dict]) -> list[str]:
+    """Per width: the best calibrated row against the issue's ceiling, the uncalibrated rows and the peers."""
+    ok = [r for r in rows if "error" not in r and "delta_pct" in r]
+    lines = ["", "## Targets (best calibrated row per width)", "", "| target | measured | |", "|---|---|---|"]
+    for bits in sorted({r["bits"] for r in ok if r.get("bits")}, reverse=True):
+        cal = [r for r in ok if r["kind"].startswith("quant-calibrated") and r["bits"] == bits]
+        if not cal:
+            continue
+        best = min(cal, key=lambda r: r["ppl"])
+        name = f"{best['cache']} ({best['bits_per_value']:.2f} bits/value)"
+        if bits in TARGET_PCT:
+            lines.append(f"| calibrated {bits}-bit <= +{TARGET_PCT[bits]} % | {name}: {best['delta_pct']:+.2f} % | "
+                         f"{'PASS' if best['delta_pct'] <= TARGET_PCT[bits] else '**FAIL**'} |")
+        for other in ok:
+            if other["bits"] != bits or other["kind"] in ("default",) or other["kind"].startswith("quant-calibrated"):
+                continue
+            if other["kind"] == "quant" and bits not in (3, 2):
+                continue  # the issue asks calibrated > uncalibrated at 3 and 2 bits
+            lines.append(f"| calibrated {bits}-bit beats {other['cache']} ({other['delta_pct']:+.2f} %) | "
+                         f"{best['delta_pct']:+.2f} % | {'PASS' if best['ppl'] < other['ppl'] else '**FAIL**'} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="short name or HF directory")
@@ -54,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", nargs="*", default=["hf-quanto", "hf-hqq"], help="Transformers caches to compare")
     p.add_argument("--static-keys", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure calibrated caches with static key ranges")
+    p.add_argument("--outliers", type=int, nargs="+", default=[0, 1],
+                   help="QuantCacheConfig.outliers values measured (uncalibrated and calibrated rows for each)")
     p.add_argument("--samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--num-seqs", type=int, default=4, help="eval sequences")
@@ -98,24 +126,30 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     measure("default", lambda: build_cache("default", model.config), {"kind": "default"})
+    def calibrated(bits: int, static: bool, outliers: int) -> None:
+        suffix = ("-static-keys" if static else "") + (f"-outliers{outliers}" if outliers else "")
+        label = f"quant-{bits}bit-calibrated{suffix}"
+        if label in done:
+            result["rows"].append(done[label])
+            return
+        path = out.parent / f".{out.name}-{bits}bit{suffix}.qcache.safetensors"
+        t0 = time.perf_counter()
+        data = calibrate(model, calib_ids, QuantCacheConfig(bits=bits, static_keys=static, outliers=outliers),
+                         {"model": args.model, "data_source": "calibration split",
+                          "data_sha256": result["calibration_sha256"], "samples": args.samples,
+                          "seq_len": args.calib_len})
+        result["calibration_seconds"][f"{bits}{suffix}"] = time.perf_counter() - t0
+        save_calibration(path, data)
+        measure(label, lambda: QuantCache.from_calibration(path), {"kind": "quant-calibrated" + suffix,
+                                                                    "bits": bits, "outliers": outliers})
+
     for bits in tqdm(args.bits, desc="bits"):
-        measure(f"quant-{bits}bit", lambda: QuantCache(model.config, bits=bits), {"kind": "quant", "bits": bits})
-        for static in ([False, True] if args.static_keys else [False]):
-            suffix = "-static-keys" if static else ""
-            label = f"quant-{bits}bit-calibrated{suffix}"
-            if label in done:
-                result["rows"].append(done[label])
-                continue
-            path = out.parent / f".{out.name}-{bits}bit{suffix}.qcache.safetensors"
-            t0 = time.perf_counter()
-            data = calibrate(model, calib_ids, QuantCacheConfig(bits=bits, static_keys=static),
-                             {"model": args.model, "data_source": "calibration split",
-                              "data_sha256": result["calibration_sha256"], "samples": args.samples,
-                              "seq_len": args.calib_len})
-            result["calibration_seconds"][f"{bits}{suffix}"] = time.perf_counter() - t0
-            save_calibration(path, data)
-            measure(label, lambda: QuantCache.from_calibration(path), {"kind": "quant-calibrated" + suffix,
-                                                                        "bits": bits})
+        for outliers in args.outliers:
+            measure(f"quant-{bits}bit" + (f"-outliers{outliers}" if outliers else ""),
+                    lambda: QuantCache(model.config, bits=bits, outliers=outliers),
+                    {"kind": "quant", "bits": bits, "outliers": outliers})
+            for static in ([False, True] if args.static_keys and not outliers else [False]):
+                calibrated(bits, static, outliers)
         for peer in args.peers:
             try:
                 build_cache(peer, model.config, bits)
@@ -138,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         r["delta_pct"] = 100 * (r["ppl"] / base - 1)
         bpv = f"{r['bits_per_value']:.2f}" if r.get("bits_per_value") is not None else "n/a"
         lines.append(f"| {r['cache']} | {r['ppl']:.4f} | {r['delta_pct']:+.2f} % | {bpv} |")
+    lines += targets_section(result["rows"])
     save()
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

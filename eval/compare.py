@@ -138,6 +138,12 @@ def _use(lm, spec: CacheSpec) -> str | None:
     return None
 
 
+def _comparable(identity: dict | None) -> dict | None:
+    """What must match for saved rows to be reused: rows are keyed by cache and length, so the lengths asked for
+    may differ (a run can be finished length by length)."""
+    return None if identity is None else {k: v for k, v in identity.items() if k != "lengths"}
+
+
 class Checkpoint:
     """Rows finished so far, kept in `<out>.partial.json` so that `--resume` skips them after an interruption.
 
@@ -149,7 +155,7 @@ class Checkpoint:
         self.path, self.identity, self.rows = path, identity, {}
         if resume and path.exists():
             saved = json.loads(path.read_text())
-            if saved.get("identity") != identity:
+            if _comparable(saved.get("identity")) != _comparable(identity):
                 raise ValueError(f"--resume: {path} was written by a run with other settings "
                                  f"({saved.get('identity')}); this run has {identity}. Delete it or drop --resume.")
             self.rows = saved["rows"]

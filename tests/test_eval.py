@@ -380,5 +380,7 @@ def test_checkpoint_resumes_same_settings_only(tmp_path):
     assert compare.Checkpoint(path, {"model": "m", "samples": 4}, resume=False).get("ppl|quant-4bit") is None
     with pytest.raises(ValueError, match="other settings"):
         compare.Checkpoint(path, {"model": "m", "samples": 8}, resume=True)
+    # rows are keyed by length: a resumed run may ask for other lengths
+    assert compare.Checkpoint(path, {"model": "m", "samples": 4, "lengths": [8192]}, resume=True).get("ppl|quant-4bit")
     again.discard()
     assert not path.exists()
