@@ -128,10 +128,32 @@ def _failed(spec: CacheSpec, err: Exception) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+def _auto_calibration(lm, spec: CacheSpec) -> dict:
+    """`calibration=auto`: calibrate the loaded model for this spec's options on the calibration split (text the
+    evaluation never reads) and use the file; other options are returned unchanged."""
+    if spec.options.get("calibration") != "auto":
+        return spec.options
+    from qcache.calibrate import calibrate_model, save_calibration
+    from qcache.config import QuantCacheConfig
+
+    from .adapter import parse_cache_options
+
+    bits, options = parse_cache_options({k: v for k, v in spec.options.items() if k != "calibration"})
+    config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
+    from qcache.models import default_cache_dir
+
+    name = Path(lm.model.config.name_or_path or "model").name
+    path = default_cache_dir() / "calibration" / f"{name}-{spec.label}.qcache.safetensors".replace("/", "_")
+    start = time.perf_counter()
+    save_calibration(path, calibrate_model(lm.model, lm.tokenizer, config, name, progress=False))
+    log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
+    return {**spec.options, "calibration": str(path)}
+
+
 def _use(lm, spec: CacheSpec) -> str | None:
     """Switch `lm` to `spec`; the error message when the cache cannot be built for this model."""
     try:
-        lm.set_cache(spec.kind, bits=spec.bits, **spec.options)
+        lm.set_cache(spec.kind, bits=spec.bits, **_auto_calibration(lm, spec))
     except (ValueError, ImportError, NotImplementedError) as err:
         log.warning("%s: %s", spec.label, err)
         return str(err)

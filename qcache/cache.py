@@ -296,7 +296,7 @@ class QuantLayer(CacheLayerMixin):
         keep = self.sliding_window - 1
         if self.k_static is not None:  # token-granular: drop the oldest quantized tokens
             drop = min(max(self.stored_length() - keep, 0), self.kq.shape[2])
-            for name in ("kq", "vq", "v_scale", "v_zero"):
+            for name in self._per_token_names():
                 setattr(self, name, getattr(self, name)[:, :, drop:])
             self.q_pos = self.q_pos[:, drop:]
             self._q_start = None if self._q_start is None else self._q_start + drop

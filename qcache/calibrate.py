@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .calibfile import save_calibration
 from .config import SUPPORTED_BITS, QuantCacheConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,26 @@ def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int
     return torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in pick.tolist()])
 
 
+def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
+                    samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str = "float32",
+                    progress: bool = True):
+    """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved)."""
+    from calibration import calibrate
+
+    from .data import read_split, sha256_of_split
+
+    if data is not None:
+        text, source = read_text(data), str(data)
+        sha = hashlib.sha256(data.read_bytes()).hexdigest()
+    else:
+        text, source, sha = read_split("calibration"), "dataset_build eng (qcache.data calibration split)", \
+            sha256_of_split("calibration")
+    ids = sample_sequences(tokenizer, text, samples, seq_len, seed)
+    settings = {"model": model_name, "data_source": source, "data_sha256": sha, "samples": samples,
+                "seq_len": seq_len, "dtype": dtype}
+    return calibrate(model, ids, options, settings, seed=seed, progress=progress)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="short name (smollm2-135m, gemma3-270m) or HF directory")
@@ -59,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits for values")
     p.add_argument("--static-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="store the option to quantize keys with static calibrated ranges (default: QuantCacheConfig)")
+    p.add_argument("--outliers", type=int, default=None,
+                   help="QuantCacheConfig.outliers stored with the file (codebooks are fitted without them)")
     p.add_argument("--data", type=Path, help="a .txt or .jsonl ('text' field) file; default: the calibration split")
     p.add_argument("--samples", type=int, default=16, help="sequences of calibration text")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
@@ -71,31 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples < 1 or args.seq_len < 8:
         p.error(f"--samples={args.samples} must be >= 1 and --seq-len={args.seq_len} >= 8")
 
-    from calibration import calibrate
-
-    from .calibfile import save_calibration
-    from .data import read_split, sha256_of_split
     from .models import load_model
 
     opts = {"k_bits": args.k_bits or args.bits or 4, "v_bits": args.v_bits or args.bits or 4}
     if args.static_keys is not None:
         opts["static_keys"] = args.static_keys
+    if args.outliers is not None:
+        opts["outliers"] = args.outliers
     options = QuantCacheConfig(**opts)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
-    if args.data is not None:
-        text, source = read_text(args.data), str(args.data)
-        sha = hashlib.sha256(args.data.read_bytes()).hexdigest()
-    else:
-        text, source, sha = read_split("calibration"), "dataset_build eng (qcache.data calibration split)", \
-            sha256_of_split("calibration")
-    ids = sample_sequences(tok, text, args.samples, args.seq_len, args.seed)
-    settings = {"model": args.model, "data_source": source, "data_sha256": sha, "samples": args.samples,
-                "seq_len": args.seq_len, "dtype": args.dtype}
-    data = calibrate(model, ids, options, settings, seed=args.seed)
+    data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
+                           args.dtype)
     data.settings["seconds"] = round(time.perf_counter() - t0, 1)
     path = save_calibration(args.out, data)
-    print(f"wrote {path}: {len(data.layers)} layers, {ids.numel()} tokens, {data.settings['seconds']} s")
+    print(f"wrote {path}: {len(data.layers)} layers, {data.settings['tokens']} tokens, {data.settings['seconds']} s")
     return 0
 
 

@@ -9,6 +9,7 @@ does clearly and an 8-bit cache hardly at all.
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -384,3 +385,21 @@ def test_checkpoint_resumes_same_settings_only(tmp_path):
     assert compare.Checkpoint(path, {"model": "m", "samples": 4, "lengths": [8192]}, resume=True).get("ppl|quant-4bit")
     again.discard()
     assert not path.exists()
+
+
+def test_auto_calibration_calibrates_for_the_spec(lm, tmp_path, monkeypatch):
+    from qcache.calibfile import load_calibration
+
+    monkeypatch.setenv("QCACHE_HOME", str(tmp_path))
+    spec = compare.CacheSpec.parse("quant:2:calibration=auto,outliers=1")
+    options = compare._auto_calibration(lm, spec)
+    path = Path(options["calibration"])
+    assert path.parent == tmp_path / "calibration" and path.is_file() and options["outliers"] == "1"
+    data = load_calibration(path)
+    assert data.options["k_bits"] == data.options["v_bits"] == 2 and data.options["outliers"] == 1
+    assert data.settings["data_source"].endswith("calibration split)")
+    try:
+        assert compare._use(lm, spec) is None and lm.cache_options["calibration"].endswith(".qcache.safetensors")
+    finally:
+        lm.set_cache("quant", bits=4)
+    assert compare._auto_calibration(lm, compare.CacheSpec.parse("quant:2")) == {}
