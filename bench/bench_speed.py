@@ -579,6 +579,15 @@ def to_markdown(result: dict) -> str:
                 if (plain, L) in by and (fp32, L) in by:
                     stock, ours = by[(plain, L)]["step_ms_median"], by[(fp32, L)]["step_ms_median"]
                     cost.append(f"| {plain} | {L} | {stock:.0f} | {ours:.0f} | **{stock / ours:.2f}x** |")
+        same = []
+        for label in dict.fromkeys(r["row"] for r in result["decode"]):
+            if label.endswith("@fp32") and label != "default@fp32":
+                cells = [f"**{by[('default@fp32', L)]['step_ms_median'] / by[(label, L)]['step_ms_median']:.2f}x**"
+                         if ("default@fp32", L) in by and (label, L) in by else "n/a" for L in ctxs]
+                same.append(f"| {label} | " + " | ".join(cells) + " |")
+        if same:
+            lines += ["", "### Decode speed vs DynamicCache with the same attention (qcache_fp32 on both)", "",
+                      "| cache | " + " | ".join(f"{L}" for L in ctxs) + " |", "|---|" + "---:|" * len(ctxs), *same]
         if cost:
             lines += ["", "### Cost of fp32-accumulating attention (decode step, same cache)", "",
                       "| cache | context | stock sdpa ms | qcache_fp32 ms | speed of qcache_fp32 vs sdpa |",
