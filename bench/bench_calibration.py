@@ -30,21 +30,23 @@ from qcache.data import read_split, sha256_of_split, token_sequences
 from qcache.models import load_model
 from qcache.perplexity import chunked_nll
 
+from bench_speed import cache_bytes  # noqa: E402  (bench/ is the script's directory)
+
 log = logging.getLogger("bench_calibration")
 
 
 def bits_per_value(cache, model_config, ids) -> float | None:
     """Average stored bits per K/V value: every byte the cache holds (codes, scales, codebooks, static ranges,
-    full-precision tokens, positions) over the number of values a 16-bit cache would hold."""
-    if not isinstance(cache, QuantCache):
-        return None
+    outliers, full-precision tokens, positions; Transformers' caches: their quantized tensors with their scales, and
+    their full-precision residual) over the number of values a 16-bit cache would hold. The default cache: the
+    model dtype's bits."""
     c = model_config.get_text_config(decoder=True)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     values = 0
     for layer in cache.layers:
         values += 2 * c.num_key_value_heads * head_dim * ids.shape[0] * min(
             ids.shape[1], getattr(layer, "sliding_window", None) or ids.shape[1])
-    return 8 * cache.memory().total / values
+    return 8 * cache_bytes(cache) / values
 
 
 TARGET_PCT = {4: 0.5, 3: 2.0, 2: 15.0}  # the calibration issue's ceilings on the perplexity change
