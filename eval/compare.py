@@ -315,6 +315,11 @@ def markdown(report: dict) -> str:
         "Quality is measured against the default cache (DynamicCache) in the same run: perplexity as % change, "
         "accuracy in points. Times are ratios to the default (absolute times on shared machines are noise).",
     ]
+    if report.get("resumed"):
+        rows = report["perplexity"] + report["retrieval"]
+        lines += ["", f"Resumed (`--resume`): rows were measured by earlier, interrupted runs with the same settings "
+                  f"and saved after each row; they took {sum(r.get('seconds', 0) for r in rows):.0f} s together "
+                  "(each row's seconds are in the JSON)."]
     if report["perplexity"]:
         lines += _perplexity_section(report)
     if report["retrieval"]:
