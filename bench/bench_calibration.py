@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {}
     if args.resume and out.with_suffix(".json").exists():
-        done = {r["cache"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"] if "ppl" in r}
+        done = {r["cache"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"] if "ppl" in r or "error" in r}
     model, tok = load_model(args.model, dtype=torch.float32)
     eval_ids = token_sequences(tok, "eval", args.num_seqs, args.seq_len)
     calib_ids = sample_sequences(tok, read_split("calibration"), args.samples, args.calib_len, seed=0)
@@ -159,8 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                 result["rows"].append({"cache": cache_label(peer, bits), "kind": peer, "bits": bits,
                                        "error": str(err)})
                 continue
-            measure(cache_label(peer, bits), lambda: build_cache(peer, model.config, bits), {"kind": peer,
-                                                                                             "bits": bits})
+            try:
+                measure(cache_label(peer, bits), lambda: build_cache(peer, model.config, bits), {"kind": peer,
+                                                                                                 "bits": bits})
+            except RuntimeError as err:  # a peer that breaks mid-run is recorded, not the end of the benchmark
+                log.exception("%s failed", cache_label(peer, bits))
+                result["rows"].append({"cache": cache_label(peer, bits), "kind": peer, "bits": bits,
+                                       "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+                save()
     base = next(r["ppl"] for r in result["rows"] if r["cache"] == "default")
     lines = [f"# Calibration benchmark: {args.model}", "", f"Command: `{result['command']}`  ",
              f"Date {result['date']}; eval text sha256 {result['eval_sha256'][:12]}…, calibration text sha256 "
