@@ -95,16 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {}
+    done, previous = {}, {}
     if args.resume and out.with_suffix(".json").exists():
-        done = {r["cache"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"] if "ppl" in r or "error" in r}
+        previous = json.loads(out.with_suffix(".json").read_text())
+        done = {r["cache"]: r for r in previous["rows"] if "ppl" in r or "error" in r}
     model, tok = load_model(args.model, dtype=torch.float32)
     eval_ids = token_sequences(tok, "eval", args.num_seqs, args.seq_len)
     calib_ids = sample_sequences(tok, read_split("calibration"), args.samples, args.calib_len, seed=0)
     result = {"command": " ".join(["python", "bench/bench_calibration.py", *(argv or sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "qcache_version": __version__, "args": vars(args),
               "eval_sha256": sha256_of_split("eval"), "calibration_sha256": sha256_of_split("calibration"),
-              "calibration_seconds": {}, "rows": []}
+              "calibration_seconds": dict(previous["calibration_seconds"]) if done else {}, "rows": []}
 
     def save():
         out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
