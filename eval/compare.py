@@ -173,8 +173,18 @@ class Checkpoint:
     rather than mixing results of two different runs.
     """
 
-    def __init__(self, path: Path, identity: dict, resume: bool):
+    def __init__(self, path: Path, identity: dict, resume: bool, report: Path | None = None):
         self.path, self.identity, self.rows = path, identity, {}
+        if resume and not path.exists() and report is not None and report.exists():
+            # a finished run: its report's rows, to extend it (more caches or lengths)
+            done = json.loads(report.read_text())
+            rows = {f"ppl|{r['cache']}": r for r in done["perplexity"] if "error" not in r}
+            rows.update({f"retrieval|{r['cache']}|{r['length']}": r for r in done["retrieval"] if "error" not in r})
+            for row in rows.values():  # deltas are recomputed against this run's rows
+                for key in [k for k in row if k.endswith(("_change_pct", "_delta")) or k == "time_ratio"]:
+                    del row[key]
+            self.path.write_text(json.dumps({"identity": {"model": done["model"], **done["settings"]},
+                                             "rows": rows}, indent=1, default=str))
         if resume and path.exists():
             saved = json.loads(path.read_text())
             if _comparable(saved.get("identity")) != _comparable(identity):
@@ -473,7 +483,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="output path without suffix (default: docs/results/eval-<model>)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the rows a previous, interrupted run with the same settings saved in <out>.partial.json")
+                   help="keep the rows a previous run with the same settings saved (<out>.partial.json if it was "
+                        "interrupted, else <out>.json) and measure only the missing caches and lengths")
     p.add_argument("-v", "--verbose", action="store_true", help="log lm-eval's progress too")
     return p
 
@@ -508,7 +519,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {"ppl_docs": args.ppl_docs, "ppl_doc_chars": args.ppl_doc_chars, "chunk_size": args.chunk_size,
                 "retrieval_tasks": args.retrieval_tasks, "lengths": args.lengths, "samples": args.samples,
                 "max_gen_toks": args.max_gen_toks, "dtype": args.dtype, "device": device}
-    checkpoint = Checkpoint(Path(f"{out}.partial.json"), {"model": args.model, **settings}, args.resume)
+    checkpoint = Checkpoint(Path(f"{out}.partial.json"), {"model": args.model, **settings}, args.resume,
+                            report=Path(f"{out}.json"))
     lm = QCacheLM(pretrained=path, cache="default", chunk_size=args.chunk_size, dtype=args.dtype, device=device,
                   batch_size=1)
     ppl_rows, ppl_tokens = [], None

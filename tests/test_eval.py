@@ -403,3 +403,21 @@ def test_auto_calibration_calibrates_for_the_spec(lm, tmp_path, monkeypatch):
     finally:
         lm.set_cache("quant", bits=4)
     assert compare._auto_calibration(lm, compare.CacheSpec.parse("quant:2")) == {}
+
+
+def test_checkpoint_extends_a_finished_report(tmp_path):
+    report = tmp_path / "run.json"
+    report.write_text(json.dumps({
+        "model": "m", "settings": {"samples": 4, "lengths": [1024]},
+        "perplexity": [{"cache": "default", "token_perplexity": 10.0},
+                       {"cache": "quant-4bit", "token_perplexity": 10.1, "token_perplexity_change_pct": 1.0},
+                       {"cache": "hf-hqq-4bit", "error": "unsupported"}],
+        "retrieval": [{"cache": "default", "length": 1024, "accuracy": {"t": 1.0}}]}))
+    cp = compare.Checkpoint(tmp_path / "run.partial.json", {"model": "m", "samples": 4, "lengths": [1024, 2048]},
+                            resume=True, report=report)
+    assert cp.get("ppl|quant-4bit") == {"cache": "quant-4bit", "token_perplexity": 10.1}  # delta recomputed later
+    assert cp.get("retrieval|default|1024")["accuracy"] == {"t": 1.0}
+    assert cp.get("ppl|hf-hqq-4bit") is None and cp.get("retrieval|default|2048") is None  # measured again
+    other = tmp_path / "other.partial.json"
+    with pytest.raises(ValueError, match="other settings"):
+        compare.Checkpoint(other, {"model": "m", "samples": 8}, resume=True, report=report)
