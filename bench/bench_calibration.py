@@ -66,7 +66,7 @@ def targets_section(rows: list[dict]) -> list[str]:
             lines.append(f"| calibrated {bits}-bit <= +{TARGET_PCT[bits]} % | {name}: {best['delta_pct']:+.2f} % | "
                          f"{'PASS' if best['delta_pct'] <= TARGET_PCT[bits] else '**FAIL**'} |")
         for other in ok:
-            if other["bits"] != bits or other["kind"] in ("default",) or other["kind"].startswith("quant-calibrated"):
+            if other.get("bits") != bits or other["kind"] == "default" or other["kind"].startswith("quant-calibrated"):
                 continue
             if other["kind"] == "quant" and bits not in (3, 2):
                 continue  # the issue asks calibrated > uncalibrated at 3 and 2 bits
