@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits for values")
     p.add_argument("--static-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="store the option to quantize keys with static calibrated ranges (default: QuantCacheConfig)")
-    p.add_argument("--outliers", type=int, default=None,
-                   help="QuantCacheConfig.outliers stored with the file (codebooks are fitted without them)")
+    p.add_argument("--outliers", type=int, default=1,
+                   help="QuantCacheConfig.outliers stored with the file; codebooks are fitted without them (default 1: "
+                        "the best calibrated 4-bit row per byte in docs/results/calibration-smollm2.md; 0: off)")
     p.add_argument("--data", type=Path, help="a .txt or .jsonl ('text' field) file; default: the calibration split")
     p.add_argument("--samples", type=int, default=16, help="sequences of calibration text")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
@@ -99,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"k_bits": args.k_bits or args.bits or 4, "v_bits": args.v_bits or args.bits or 4}
     if args.static_keys is not None:
         opts["static_keys"] = args.static_keys
-    if args.outliers is not None:
-        opts["outliers"] = args.outliers
+    opts["outliers"] = args.outliers
     options = QuantCacheConfig(**opts)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))

@@ -188,4 +188,5 @@ def test_cli_writes_a_loadable_file(tmp_path, monkeypatch):
                      "--bits", "3", "--out", str(out)]) == 0
     data = load_calibration(out)
     assert data.options["k_bits"] == 3 and data.settings["data_source"] == str(text)
+    assert data.options["outliers"] == 1  # the CLI's measured default; QuantCache.from_calibration uses it
     assert len(data.settings["data_sha256"]) == 64
