@@ -192,6 +192,7 @@ class Checkpoint:
                                  f"({saved.get('identity')}); this run has {identity}. Delete it or drop --resume.")
             self.rows = saved["rows"]
             log.info("resuming: %d rows from %s", len(self.rows), path)
+        self.resumed = len(self.rows)  # rows this run did not measure
 
     def get(self, key: str) -> dict | None:
         return self.rows.get(key)
@@ -327,8 +328,8 @@ def markdown(report: dict) -> str:
     ]
     if report.get("resumed"):
         rows = report["perplexity"] + report["retrieval"]
-        lines += ["", f"Resumed (`--resume`): rows were measured by earlier, interrupted runs with the same settings "
-                  f"and saved after each row; they took {sum(r.get('seconds', 0) for r in rows):.0f} s together "
+        lines += ["", f"Resumed (`--resume`): {report['resumed']} rows come from earlier runs with the same settings "
+                  f"(saved after each row); all rows took {sum(r.get('seconds', 0) for r in rows):.0f} s together "
                   "(each row's seconds are in the JSON)."]
     if report["perplexity"]:
         lines += _perplexity_section(report)
@@ -540,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {"qcache": qcache.__version__, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
                      else _dist_version("lm_eval"), "transformers": transformers.__version__,
                      "torch": torch.__version__, "python": platform.python_version()},
-        "settings": settings, "resumed": bool(args.resume and checkpoint.rows),
+        "settings": settings, "resumed": checkpoint.resumed,
         "ppl_tokens": ppl_tokens,
         "perplexity": ppl_rows, "retrieval": retrieval_rows,
     }
