@@ -337,9 +337,11 @@ class QuantLayer(CacheLayerMixin):
             if self.rope is not None:
                 cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, self.kq.device)
             keys = kernels.compiled("read_keys")(self.sink_k, self.kq, self.k_scale, self.k_zero, cos, sin,
-                                                 self.res_k, self.cfg.k_bits, self.cfg.k_group_size, self.k_codebook)
+                                                 self.res_k, self.cfg.k_bits, self.cfg.k_group_size, self.k_codebook,
+                                                 self.k_oi, self.k_ov)
             values = kernels.compiled("read_values")(self.sink_v, self.vq, self.v_scale, self.v_zero, self.res_v,
-                                                     self.cfg.v_bits, self.v_group, self.v_codebook)
+                                                     self.cfg.v_bits, self.v_group, self.v_codebook, self.v_oi,
+                                                     self.v_ov)
             return keys, values
         B, H, _, D = self.res_k.shape
         keys = self.res_k.new_empty(B, H, S + Tq + R, D)
@@ -352,8 +354,7 @@ class QuantLayer(CacheLayerMixin):
 
     def _fused_layout(self) -> bool:
         """The layout `kernels` handles: full key blocks with per-block scales, one position run for all rows."""
-        return (self.k_static is None and not self.cfg.outliers and self._uniform_blocks
-                and (self.rope is None or self._q_start is not None))
+        return self.k_static is None and self._uniform_blocks and (self.rope is None or self._q_start is not None)
 
     def _per_token(self, per_block: torch.Tensor) -> torch.Tensor:
         """[B, H, n_blocks, D] -> [B, H, Tq, D] following block_lens."""

@@ -41,11 +41,11 @@ def compiled_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("bits", [4, 3])
-def test_compiled_read_equals_eager(bits, compiled_calls):
+@pytest.mark.parametrize("bits,outliers", [(4, 0), (3, 0), (2, 1)])
+def test_compiled_read_equals_eager(bits, outliers, compiled_calls):
     config = make_model("llama").config
-    eager = QuantCache(config, bits=bits, **OPTS)
-    fused = QuantCache(config, bits=bits, kernel="compiled", **OPTS)
+    eager = QuantCache(config, bits=bits, outliers=outliers, **OPTS)
+    fused = QuantCache(config, bits=bits, outliers=outliers, kernel="compiled", **OPTS)
     for (ke, ve), (kf, vf) in zip(_feed(eager, 20), _feed(fused, 20)):
         assert ke.shape == kf.shape and ke.dtype == kf.dtype == torch.bfloat16
         # fp32 arithmetic in both; a fused multiply-add may differ in the last fp32 bit before the bf16 rounding
