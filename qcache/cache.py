@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from .config import CLIP_RATIOS, QuantCacheConfig
 from .calibfile import CalibrationData, load_calibration
 from . import kernels
-from .quant import dequantize, pack, quantize, quantize_grouped, scatter_outliers, select_outliers, unpack
+from .quant import dequantize, pack, quantize, quantize_grouped, select_outliers, unpack
 from .rope import RopeHelper, apply_rope_into, modeling_module_of
 
 __all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]
@@ -308,11 +308,15 @@ class QuantLayer(CacheLayerMixin):
                 setattr(self, name, getattr(self, name)[:, :, 1:])
             self.q_pos = self.q_pos[:, n:]
             self._q_start = None if self._q_start is None else self._q_start + n
-            self._uniform_blocks = all(b == self.cfg.k_group_size for b in self.block_lens)
+            self._blocks_changed()
         surplus = self.stored_length() - keep
         if self.kq.shape[2] == 0 and surplus > 0:  # only full-precision tokens left: trim them exactly
             self.res_k, self.res_v = self.res_k[:, :, surplus:], self.res_v[:, :, surplus:]
             self.res_pos = self.res_pos[:, surplus:]
+
+    def _blocks_changed(self) -> None:
+        """block_lens changed other than by appending full blocks: recompute the read fast-path flag."""
+        self._uniform_blocks = all(b == self.cfg.k_group_size for b in self.block_lens)
 
     def _per_token_names(self) -> list[str]:
         """Tensors of the quantized region with one entry per token on dim 2."""
@@ -363,29 +367,25 @@ class QuantLayer(CacheLayerMixin):
 
     def _dequantize_keys_into(self, out: torch.Tensor) -> None:
         """Write the quantized region's keys (RoPE re-applied, in the cache dtype) into `out` [B, H, Tq, D]."""
-        codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
-        B, H, Tq, D = codes.shape
-        if self.k_static is not None:
-            zero, scale = self._static_key_range(codes.device)
-            k = dequantize(codes, scale, zero, codebook=self.k_codebook)
-        elif self._uniform_blocks:
-            nb = len(self.block_lens)
-            # [B, H, Tq, D] -> [B, H, nb, G, D]: one scale/zero per block broadcast over its G tokens
-            k = dequantize(codes.view(B, H, nb, Tq // nb, D), self.k_scale.unsqueeze(3), self.k_zero.unsqueeze(3),
-                           codebook=self.k_codebook)
-            if self.cfg.outliers:
-                scatter_outliers(k, 3, self.k_oi, self.k_ov)
-            k = k.view(B, H, Tq, D)
-        else:  # a crop left a partial block
-            k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
-                           codebook=self.k_codebook)
-            if self.cfg.outliers:
-                k = self._scatter_key_outliers_partial(k)
+        Tq = self.kq.shape[2]
+        if self._uniform_blocks and self.k_static is None:
+            k = kernels.block_keys(self.kq, self.k_scale, self.k_zero, self.cfg.k_bits, self.cfg.k_group_size,
+                                   self.k_codebook, self.k_oi, self.k_ov)
+        else:
+            codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
+            if self.k_static is not None:
+                zero, scale = self._static_key_range(codes.device)
+                k = dequantize(codes, scale, zero, codebook=self.k_codebook)
+            else:  # a crop left a partial block
+                k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
+                               codebook=self.k_codebook)
+                if self.cfg.outliers:
+                    k = self._scatter_key_outliers_partial(k)
         if self.rope is None:
             out.copy_(k)
             return
         if self._q_start is not None:
-            cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, codes.device)
+            cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, k.device)
         else:
             cos, sin = self.rope.cos_sin(self.q_pos, self.layer_idx)
         apply_rope_into(out, k, cos, sin)
@@ -403,15 +403,8 @@ class QuantLayer(CacheLayerMixin):
         return scratch[:, :, :Tq]
 
     def _dequantize_values_into(self, out: torch.Tensor) -> None:
-        codes = unpack(self.vq, self.cfg.v_bits)  # [B, H, Tq, D]
-        B, H, Tq, D = codes.shape
-        g = self.v_group
-        # [B, H, Tq, D] -> [B, H, Tq, D/g, g] to broadcast one scale per group
-        v = dequantize(codes.view(B, H, Tq, D // g, g), self.v_scale.unsqueeze(-1), self.v_zero.unsqueeze(-1),
-                       codebook=self.v_codebook)
-        if self.cfg.outliers:
-            scatter_outliers(v, 4, self.v_oi, self.v_ov)
-        out.copy_(v.view(B, H, Tq, D))
+        out.copy_(kernels.group_values(self.vq, self.v_scale, self.v_zero, self.cfg.v_bits, self.v_group,
+                                       self.v_codebook, self.v_oi, self.v_ov))
 
     def _dequantized_keys(self) -> torch.Tensor:
         """The quantized region's keys alone, [B, H, Tq, D] in the cache dtype."""
@@ -496,7 +489,7 @@ class QuantLayer(CacheLayerMixin):
             nb = len(self.block_lens)
             for name in self._per_block_names():
                 setattr(self, name, getattr(self, name)[:, :, :nb].clone())
-            self._uniform_blocks = all(b == self.cfg.k_group_size for b in self.block_lens)
+            self._blocks_changed()
             n -= q
         if n:
             end = self.sink_k.shape[2] - n

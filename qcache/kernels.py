@@ -11,56 +11,58 @@ from __future__ import annotations
 
 import torch
 
-from .quant import unpack
+from .quant import dequantize, scatter_outliers, unpack
+from .rope import apply_rope
 
-__all__ = ["read_keys", "read_values", "compiled"]
+__all__ = ["block_keys", "group_values", "read_keys", "read_values", "compiled"]
 
 
-def _levels(codes: torch.Tensor, codebook: torch.Tensor | None) -> torch.Tensor:
-    if codebook is None:
-        return codes.float()
-    return (codebook.float() * (codebook.numel() - 1))[codes.long()]
+def block_keys(kq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+               codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
+               out_val: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 keys [B, H, Tq, D] (before RoPE) from codes kq [B, H, Tq, D*bits/8] in full blocks of `group` tokens,
+    scale/zero [B, H, Tq/group, D] per block and channel, outliers [B, H, Tq/group, m, D] (offsets, values) or None."""
+    codes = unpack(kq, bits)
+    B, H, Tq, D = codes.shape
+    # [B, H, Tq, D] -> [B, H, Tq/group, group, D]: one scale/zero per block broadcast over its tokens
+    k = dequantize(codes.view(B, H, Tq // group, group, D), scale.unsqueeze(3), zero.unsqueeze(3), codebook=codebook)
+    if out_idx is not None:
+        scatter_outliers(k, 3, out_idx, out_val)
+    return k.view(B, H, Tq, D)
+
+
+def group_values(vq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+                 codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
+                 out_val: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 values [B, H, Tq, D] from codes with scale/zero [B, H, Tq, D/group] per token and channel group,
+    outliers [B, H, Tq, D/group, m] (offsets, values) or None."""
+    codes = unpack(vq, bits)
+    B, H, Tq, D = codes.shape
+    # [B, H, Tq, D] -> [B, H, Tq, D/group, group] to broadcast one scale per group
+    v = dequantize(codes.view(B, H, Tq, D // group, group), scale.unsqueeze(-1), zero.unsqueeze(-1),
+                   codebook=codebook)
+    if out_idx is not None:
+        scatter_outliers(v, 4, out_idx, out_val)
+    return v.view(B, H, Tq, D)
 
 
 def read_keys(sink: torch.Tensor, kq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               cos: torch.Tensor | None, sin: torch.Tensor | None, res: torch.Tensor, bits: int, group: int,
               codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
               out_val: torch.Tensor | None = None) -> torch.Tensor:
-    """[sink | dequantized, re-rotated keys | residual] along the token axis.
-
-    kq [B, H, Tq, D*bits/8] codes; scale/zero [B, H, Tq/group, D]; cos/sin [1, Tq, R] fp32 (None: no RoPE);
-    out_idx/out_val [B, H, Tq/group, m, D]: outliers (offsets in their block, values), or None."""
-    codes = unpack(kq, bits)
-    B, H, Tq, D = codes.shape
-    nb = Tq // group
-    k = torch.addcmul(zero.float().unsqueeze(3), _levels(codes, codebook).view(B, H, nb, group, D),
-                      scale.float().unsqueeze(3))
-    if out_idx is not None:
-        k = k.scatter(3, out_idx.long(), out_val.float())
-    k = k.view(B, H, Tq, D)
+    """[sink | dequantized, re-rotated keys | residual] along the token axis; cos/sin [1, Tq, R] fp32 (None: no
+    RoPE); the rest as for `block_keys`."""
+    k = block_keys(kq, scale, zero, bits, group, codebook, out_idx, out_val)
     if cos is not None:
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, Tq, R]
-        r = c.shape[-1]
-        h = r // 2
-        x1, x2 = k[..., :h], k[..., h:r]
-        parts = [x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:]]
-        if r < D:
-            parts.append(k[..., r:])
-        k = torch.cat(parts, dim=-1)
+        k = apply_rope(k, cos, sin)
     return torch.cat([sink, k.to(sink.dtype), res], dim=2)
 
 
 def read_values(sink: torch.Tensor, vq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, res: torch.Tensor,
                 bits: int, group: int, codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
                 out_val: torch.Tensor | None = None) -> torch.Tensor:
-    """[sink | dequantized values | residual]; scale/zero [B, H, Tq, D/group]; outliers [B, H, Tq, D/group, m]."""
-    codes = unpack(vq, bits)
-    B, H, Tq, D = codes.shape
-    v = torch.addcmul(zero.float().unsqueeze(-1), _levels(codes, codebook).view(B, H, Tq, D // group, group),
-                      scale.float().unsqueeze(-1))
-    if out_idx is not None:
-        v = v.scatter(4, out_idx.long(), out_val.float())
-    v = v.view(B, H, Tq, D)
+    """[sink | dequantized values | residual]; the rest as for `group_values`."""
+    v = group_values(vq, scale, zero, bits, group, codebook, out_idx, out_val)
     return torch.cat([sink, v.to(sink.dtype), res], dim=2)
 
 

@@ -159,15 +159,8 @@ class RopeHelper:
         position_ids = position_ids.clamp(min=0).long()
         if self.rope_types[layer_type] in _SEQ_DEPENDENT_ROPE:
             return self._compute(position_ids, layer_type)
-        key = (layer_type, position_ids.device)
         need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-        table = self._tables.get(key)
-        if table is None or table[0].shape[0] < need:
-            size = max(need, 2 * (table[0].shape[0] if table else 256))
-            pos = torch.arange(size, device=position_ids.device).unsqueeze(0)  # [1, P]
-            cos, sin = self._compute(pos, layer_type)
-            table = (cos[0], sin[0])  # [P, R]
-            self._tables[key] = table
+        table = self._table(layer_type, position_ids.device, need)
         first = position_ids[:, :1]  # [B, 1]
         if bool((first == first[0]).all()) and bool(
                 (position_ids == first + torch.arange(position_ids.shape[1], device=first.device)).all()):
@@ -176,16 +169,25 @@ class RopeHelper:
             return table[0][start:start + n].unsqueeze(0), table[1][start:start + n].unsqueeze(0)  # [1, T, R]
         return table[0][position_ids], table[1][position_ids]  # [B, T, R]
 
+    def _table(self, layer_type, device, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [P, R] for positions 0..P-1 (P >= need) of a table-based RoPE type, grown by doubling."""
+        key = (layer_type, torch.device(device))
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < need:
+            size = max(need, 2 * (table[0].shape[0] if table else 256))
+            cos, sin = self._compute(torch.arange(size, device=device).unsqueeze(0), layer_type)  # [1, P, R]
+            table = (cos[0], sin[0])
+            self._tables[key] = table
+        return table
+
     def cos_sin_range(self, start: int, n: int, layer_idx: int,
                       device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin [1, n, R] for positions start..start+n-1 in every row: a view of the table (no gather)
-        for table-based RoPE types."""
-        if n == 0 or self.rope_types[self._layer_type(layer_idx)] in _SEQ_DEPENDENT_ROPE:
+        """fp32 cos/sin [1, n, R] for positions start..start+n-1 in every row: a view of the table (no gather, no
+        device sync: the decode read calls it every step) for table-based RoPE types."""
+        layer_type = self._layer_type(layer_idx)
+        if n == 0 or self.rope_types[layer_type] in _SEQ_DEPENDENT_ROPE:
             return self.cos_sin(torch.arange(start, start + n, device=device)[None], layer_idx)
-        # one position, the last: extends the table if needed and returns its row, a view of the table
-        last = torch.full((1, 1), start + n - 1, device=device)
-        self.cos_sin(last, layer_idx)
-        cos, sin = self._tables[(self._layer_type(layer_idx), last.device)]
+        cos, sin = self._table(layer_type, device, start + n)
         return cos[start:start + n].unsqueeze(0), sin[start:start + n].unsqueeze(0)
 
     # -- rotation --------------------------------------------------------------------------------------------
