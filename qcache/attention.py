@@ -147,6 +147,12 @@ def fp32_sdpa_attention_forward(
                       stacklevel=2)
     out_dtype = query.dtype
     B, Hq, Tq, D = query.shape
+    layer = getattr(key, "_qcache_layer", None)
+    if layer is not None:  # a QuantCache layer handed over its full-precision tokens only: it attends itself
+        if Tq == 1 and softcap is None and position_bias is None and dropout == 0.0:
+            out = layer.decode_attention(query, attention_mask, scaling)  # [B, Hq, 1, D] fp32
+            return out.transpose(1, 2).contiguous().to(out_dtype), None
+        key, value = layer.read()  # anything else: the cache's keys/values, as update() returns them otherwise
     Hkv = key.shape[1]
     if Hq % Hkv:
         raise ValueError(f"query has {Hq} heads, key/value {Hkv}: the query heads must be a multiple of the kv heads")

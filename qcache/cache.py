@@ -33,6 +33,7 @@ from .config import CLIP_RATIOS, QuantCacheConfig
 from .calibfile import CalibrationData, load_calibration
 from . import kernels
 from .quant import dequantize, pack, quantize, quantize_grouped, select_outliers, unpack
+from .attention import ATTN_IMPLEMENTATION as FUSED_ATTENTION  # the attention that can read codes itself
 from .rope import RopeHelper, apply_rope_into, modeling_module_of
 
 __all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]
@@ -146,6 +147,8 @@ class QuantLayer(CacheLayerMixin):
         self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
         self.scale_dtype = _SCALE_DTYPES[cfg.scale_dtype]
         self.clip_ratios = CLIP_RATIOS if cfg.clip_search else (1.0,)
+        # set by QuantCache each forward: the attention is qcache_fp32, which can attend from the codes directly
+        self.fused_attention = False
         self._clear()
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -244,6 +247,8 @@ class QuantLayer(CacheLayerMixin):
         self.res_pos = torch.cat([self.res_pos, pos[:, n_sink:]], dim=1)
         self._flush()
 
+        if T == 1 and self.fused_attention and self._decode_fusable():
+            return self._lazy_states()
         keys, values = self._read()
         if self.is_sliding:
             keys, values = keys[:, :, -(kv_before + T):], values[:, :, -(kv_before + T):]
@@ -360,6 +365,53 @@ class QuantLayer(CacheLayerMixin):
         """The layout `kernels` handles: full key blocks with per-block scales, one position run for all rows."""
         return self.k_static is None and self._uniform_blocks and (self.rope is None or self._q_start is not None)
 
+    # -- fused decode attention (kernel="compiled" with the qcache_fp32 attention) --------------------------------
+    def _decode_fusable(self) -> bool:
+        return (self.cfg.kernel == "compiled" and not self.is_sliding and self.kq.shape[2] > 0
+                and self._fused_layout())
+
+    def _lazy_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `update` returns when attention will read the codes itself: the full-precision tokens
+        [sinks | residual], tagged with this layer (`_qcache_layer`). Only qcache_fp32 attention receives them; it
+        attends over sinks, quantized region and residual with `decode_attention`, or calls `read()`."""
+        keys = torch.cat([self.sink_k, self.res_k], dim=2)
+        values = torch.cat([self.sink_v, self.res_v], dim=2)
+        keys._qcache_layer = values._qcache_layer = self
+        return keys, values
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All keys (RoPE applied) and values the layer holds, [B, H, T, D] in the cache dtype."""
+        return self._read()
+
+    def decode_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
+                         scaling: float | None) -> torch.Tensor:
+        """fp32 attention of one query token [B, Hq, 1, D] over everything held, straight from the codes
+        (`kernels.decode_attention`); attention_mask: None, bool (True = attend) or additive, [B, 1, 1, T_held].
+        Returns [B, Hq, 1, D] fp32."""
+        B, Hq, _, D = query.shape
+        H = self.kq.shape[1]
+        S, Tq, R = self.sink_k.shape[2], self.kq.shape[2], self.res_k.shape[2]
+        bias = None
+        if attention_mask is not None:
+            if attention_mask.shape[-1] != S + Tq + R or attention_mask.shape[1] != 1:
+                raise ValueError(
+                    f"layer {self.layer_idx}: attention mask of shape {tuple(attention_mask.shape)} for "
+                    f"{S + Tq + R} cached tokens; fused decode attention needs [B, 1, 1, {S + Tq + R}]"
+                )
+            bias = attention_mask.float()
+            if attention_mask.dtype == torch.bool:
+                bias = torch.zeros_like(bias).masked_fill_(~attention_mask, torch.finfo(torch.float32).min)
+        cos = sin = None
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, self.kq.device)
+        q = query.float().reshape(B, H, Hq // H, D)  # query head h*G+g reads kv head h (as repeat_kv)
+        out = kernels.compiled("decode_attention")(
+            q, self.sink_k, self.sink_v, self.res_k, self.res_v, self.kq, self.k_scale, self.k_zero, cos, sin,
+            self.vq, self.v_scale, self.v_zero, bias, D**-0.5 if scaling is None else scaling, self.cfg.k_bits,
+            self.cfg.k_group_size, self.cfg.v_bits, self.v_group, self.k_codebook, self.v_codebook, self.k_oi,
+            self.k_ov, self.v_oi, self.v_ov)
+        return out.reshape(B, Hq, 1, D)
+
     def _per_token(self, per_block: torch.Tensor) -> torch.Tensor:
         """[B, H, n_blocks, D] -> [B, H, Tq, D] following block_lens."""
         lens = torch.tensor(self.block_lens, device=per_block.device)
@@ -368,27 +420,32 @@ class QuantLayer(CacheLayerMixin):
     def _dequantize_keys_into(self, out: torch.Tensor) -> None:
         """Write the quantized region's keys (RoPE re-applied, in the cache dtype) into `out` [B, H, Tq, D]."""
         Tq = self.kq.shape[2]
-        if self._uniform_blocks and self.k_static is None:
-            k = kernels.block_keys(self.kq, self.k_scale, self.k_zero, self.cfg.k_bits, self.cfg.k_group_size,
-                                   self.k_codebook, self.k_oi, self.k_ov)
-        else:
-            codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
-            if self.k_static is not None:
-                zero, scale = self._static_key_range(codes.device)
-                k = dequantize(codes, scale, zero, codebook=self.k_codebook)
-            else:  # a crop left a partial block
-                k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
-                               codebook=self.k_codebook)
-                if self.cfg.outliers:
-                    k = self._scatter_key_outliers_partial(k)
-        if self.rope is None:
-            out.copy_(k)
+        cos = sin = None
+        if self.rope is not None:
+            if self._q_start is not None:
+                cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, out.device)
+            else:
+                cos, sin = self.rope.cos_sin(self.q_pos, self.layer_idx)
+        if self._uniform_blocks and self.k_static is None:  # plane by plane (see qcache/kernels.py)
+            planes = kernels.key_planes(self.kq, self.k_scale, self.k_zero, self.cfg.k_bits, self.cfg.k_group_size,
+                                        self.k_codebook, self.k_oi, self.k_ov)
+            if cos is not None:
+                planes = kernels.rotate_planes(planes, cos, sin)
+            _write_planes(out, planes)
             return
-        if self._q_start is not None:
-            cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, k.device)
+        codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
+        if self.k_static is not None:
+            zero, scale = self._static_key_range(codes.device)
+            k = dequantize(codes, scale, zero, codebook=self.k_codebook)
+        else:  # a crop left a partial block
+            k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
+                           codebook=self.k_codebook)
+            if self.cfg.outliers:
+                k = self._scatter_key_outliers_partial(k)
+        if cos is None:
+            out.copy_(k)
         else:
-            cos, sin = self.rope.cos_sin(self.q_pos, self.layer_idx)
-        apply_rope_into(out, k, cos, sin)
+            apply_rope_into(out, k, cos, sin)
 
     def _scatter_key_outliers_partial(self, k: torch.Tensor) -> torch.Tensor:
         """Key outliers into per-token keys [B, H, Tq, D] when blocks differ in length (after a crop): outliers
@@ -403,8 +460,8 @@ class QuantLayer(CacheLayerMixin):
         return scratch[:, :, :Tq]
 
     def _dequantize_values_into(self, out: torch.Tensor) -> None:
-        out.copy_(kernels.group_values(self.vq, self.v_scale, self.v_zero, self.cfg.v_bits, self.v_group,
-                                       self.v_codebook, self.v_oi, self.v_ov))
+        _write_planes(out, kernels.value_planes(self.vq, self.v_scale, self.v_zero, self.cfg.v_bits, self.v_group,
+                                                self.v_codebook, self.v_oi, self.v_ov))
 
     def _dequantized_keys(self) -> torch.Tensor:
         """The quantized region's keys alone, [B, H, Tq, D] in the cache dtype."""
@@ -510,6 +567,14 @@ class QuantLayer(CacheLayerMixin):
         )
 
 
+def _write_planes(out: torch.Tensor, planes: list[torch.Tensor]) -> None:
+    """Channel planes [..., w] side by side into `out` [..., D] (cast to its dtype)."""
+    a = 0
+    for p in planes:
+        out[..., a:a + p.shape[-1]] = p
+        a += p.shape[-1]
+
+
 def _dynamic_layer_memory(layer) -> CacheMemory:
     if not getattr(layer, "is_initialized", False) or layer.keys is None:
         return CacheMemory()
@@ -612,6 +677,15 @@ class QuantCache(Cache):
 
     def _check_model(self, layer_idx: int) -> None:
         module = _find_attention_module(layer_idx)
+        self._check_module(module)
+        # decode attention from the codes only when the model's attention is the one that knows how (it is looked
+        # up every forward: set_attn_implementation may change it between calls)
+        fused = module is not None and getattr(module.config, "_attn_implementation", None) == FUSED_ATTENTION
+        for layer in self.layers:
+            if isinstance(layer, QuantLayer):
+                layer.fused_attention = fused
+
+    def _check_module(self, module: nn.Module | None) -> None:
         if module is None:
             if self._fingerprint is None:
                 raise ValueError(

@@ -1,10 +1,20 @@
-"""Fused read of a QuantLayer for `kernel="compiled"`: unpack -> dequantize -> RoPE -> cast -> concatenate in one
-`torch.compile`d function per tensor, so the codes are read once and the full-precision keys are written once.
+"""The read path of a QuantLayer, in planes: unpack -> dequantize -> RoPE -> cast, plus a fused decode attention.
 
-The functions do the eager path's arithmetic (fp32, one rounding to the cache dtype at the end; a fused multiply-add
-may change the last fp32 bit). They cover the common layout: every key block full, positions the same consecutive
-run in every row, per-block key scales, with or without outliers. `QuantLayer` reads any other layout (a crop that
-cut a block, left padding, beams at different positions, static key ranges) with its eager code.
+Codes are packed in planes (qcache/quant.py): byte j of a 4-bit key holds channels j and j + D/2, which is a RoPE
+pair. So every step of the read works on contiguous channel slices ("planes") and never interleaves: each plane is
+dequantized with its slice of the scales, a RoPE pair of planes is rotated together, and the planes are written
+side by side. The eager read (`QuantLayer._read`) and the `torch.compile`d functions below call the same functions,
+so `kernel="compiled"` reads exactly what `kernel="eager"` reads (up to a fused multiply-add in the last fp32 bit).
+Written this way, inductor vectorizes the whole read (an unpack that interleaves or concatenates codes before the
+arithmetic makes it fall back to scalar loops, measured 3-5x slower).
+
+`decode_attention` goes one step further for one query token: scores and the weighted sum of values are computed
+from the planes (fp32 throughout), so neither the dequantized keys nor the values are written out in the cache
+dtype and read again. `QuantLayer` uses it through the `qcache_fp32` attention (qcache/attention.py).
+
+The fused functions cover the common layout: every key block full, positions the same consecutive run in every row,
+per-block key scales, with or without outliers and codebooks. `QuantLayer` reads any other layout (a crop that cut a
+block, left padding, beams at different positions, static key ranges) with its eager code.
 """
 
 from __future__ import annotations
@@ -14,66 +24,198 @@ import torch
 from .quant import dequantize, scatter_outliers, unpack
 from .rope import apply_rope
 
-__all__ = ["block_keys", "group_values", "read_keys", "read_values", "compiled"]
+__all__ = [
+    "code_planes", "key_planes", "value_planes", "rotate_planes", "block_keys", "group_values", "read_keys",
+    "read_values", "decode_attention", "compiled",
+]
 
 
-def block_keys(kq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+def code_planes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """uint8 codes of packed [..., n*bits/8] as an even number of equal channel slices [..., w] (in channel order).
+
+    4 bits: (low nibbles, high nibbles) = channels [0, n/2) and [n/2, n); 2 bits: 4 slices; 3 bits: 8 slices (the
+    3-byte words); 8 bits: the two halves."""
+    if bits == 8:
+        return list(packed.chunk(2, dim=-1))
+    if bits == 3:
+        b0, b1, b2 = (p.to(torch.int32) for p in packed.chunk(3, dim=-1))
+        word = b0 | (b1 << 8) | (b2 << 16)
+        return [((word >> (3 * i)) & 7).to(torch.uint8) for i in range(8)]
+    mask = (1 << bits) - 1
+    return [(packed >> (bits * i)) & mask for i in range(8 // bits)]
+
+
+def key_planes(kq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
                codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
-               out_val: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 keys [B, H, Tq, D] (before RoPE) from codes kq [B, H, Tq, D*bits/8] in full blocks of `group` tokens,
-    scale/zero [B, H, Tq/group, D] per block and channel, outliers [B, H, Tq/group, m, D] (offsets, values) or None."""
-    codes = unpack(kq, bits)
-    B, H, Tq, D = codes.shape
-    # [B, H, Tq, D] -> [B, H, Tq/group, group, D]: one scale/zero per block broadcast over its tokens
-    k = dequantize(codes.view(B, H, Tq // group, group, D), scale.unsqueeze(3), zero.unsqueeze(3), codebook=codebook)
-    if out_idx is not None:
-        scatter_outliers(k, 3, out_idx, out_val)
-    return k.view(B, H, Tq, D)
+               out_val: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """fp32 keys (before RoPE) as channel planes [B, H, Tq, w] from codes kq [B, H, Tq, D*bits/8] in full blocks of
+    `group` tokens, scale/zero [B, H, Tq/group, D] per block and channel, outliers [B, H, Tq/group, m, D]
+    (token offsets in the block, values) or None."""
+    planes = []
+    a = 0
+    for codes in code_planes(kq, bits):
+        B, H, Tq, w = codes.shape
+        sl = slice(a, a + w)
+        # [B, H, Tq, w] -> [B, H, Tq/group, group, w]: one scale/zero per block broadcast over its tokens
+        x = dequantize(codes.view(B, H, Tq // group, group, w), scale[..., sl].unsqueeze(3),
+                       zero[..., sl].unsqueeze(3), codebook=codebook)
+        if out_idx is not None:
+            scatter_outliers(x, 3, out_idx[..., sl], out_val[..., sl])
+        planes.append(x.view(B, H, Tq, w))
+        a += w
+    return planes
 
 
-def group_values(vq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+def value_planes(vq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
                  codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
-                 out_val: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 values [B, H, Tq, D] from codes with scale/zero [B, H, Tq, D/group] per token and channel group,
-    outliers [B, H, Tq, D/group, m] (offsets, values) or None."""
-    codes = unpack(vq, bits)
-    B, H, Tq, D = codes.shape
-    # [B, H, Tq, D] -> [B, H, Tq, D/group, group] to broadcast one scale per group
-    v = dequantize(codes.view(B, H, Tq, D // group, group), scale.unsqueeze(-1), zero.unsqueeze(-1),
-                   codebook=codebook)
-    if out_idx is not None:
-        scatter_outliers(v, 4, out_idx, out_val)
-    return v.view(B, H, Tq, D)
+                 out_val: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """fp32 values as channel planes from codes with scale/zero [B, H, Tq, D/group] per token and channel group,
+    outliers [B, H, Tq, D/group, m] (channel offsets in the group, values) or None."""
+    planes = code_planes(vq, bits)
+    w = planes[0].shape[-1]
+    if w % group and group % w:  # planes and groups do not nest (e.g. D=48, group 16): one plane of all channels
+        planes = [unpack(vq, bits)]
+        w = planes[0].shape[-1]
+    out = []
+    for i, codes in enumerate(planes):
+        B, H, Tq, _ = codes.shape
+        a = i * w
+        if w % group == 0:  # the plane holds whole groups
+            g = slice(a // group, (a + w) // group)
+            x = dequantize(codes.view(B, H, Tq, w // group, group), scale[..., g].unsqueeze(-1),
+                           zero[..., g].unsqueeze(-1), codebook=codebook)
+            if out_idx is not None:
+                scatter_outliers(x, 4, out_idx[..., g, :], out_val[..., g, :])
+            out.append(x.view(B, H, Tq, w))
+            continue
+        g = a // group  # the plane lies inside group g, at channel offset a % group
+        x = dequantize(codes, scale[..., g:g + 1], zero[..., g:g + 1], codebook=codebook)
+        if out_idx is not None:
+            # the group's outliers that fall in this plane; the others go to a scratch column that is dropped
+            rel = out_idx[..., g, :].long() - a % group  # [B, H, Tq, m]
+            rel = torch.where((rel >= 0) & (rel < w), rel, w)
+            x = torch.cat([x, x.new_zeros(B, H, Tq, 1)], dim=-1).scatter(-1, rel, out_val[..., g, :].to(x.dtype))
+            x = x[..., :w]
+        out.append(x)
+    return out
+
+
+def rotate_planes(planes: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+    """RoPE on channel planes (cos/sin [B or 1, Tq, R] fp32): plane i of the first half and plane i of the second
+    half are RoPE pairs, rotated as `apply_rope_into` does (x1 cos - x2 sin, x2 cos + x1 sin). Partial rotary
+    (R < D) rotates the concatenated planes with `apply_rope` instead (one plane back)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, Tq, R]
+    w = planes[0].shape[-1]
+    n = len(planes)
+    if cos.shape[-1] != n * w or n % 2:
+        return [apply_rope(torch.cat(planes, dim=-1), cos.squeeze(1), sin.squeeze(1))]
+    half = n // 2
+    out = [None] * n
+    for i in range(half):
+        x1, x2 = planes[i], planes[i + half]
+        a, b = i * w, (i + half) * w
+        out[i] = x1 * cos[..., a:a + w] - x2 * sin[..., a:a + w]
+        out[i + half] = x2 * cos[..., b:b + w] + x1 * sin[..., b:b + w]
+    return out
+
+
+def block_keys(kq, scale, zero, bits, group, codebook, out_idx=None, out_val=None) -> torch.Tensor:
+    """`key_planes` side by side: fp32 keys [B, H, Tq, D] before RoPE."""
+    return torch.cat(key_planes(kq, scale, zero, bits, group, codebook, out_idx, out_val), dim=-1)
+
+
+def group_values(vq, scale, zero, bits, group, codebook, out_idx=None, out_val=None) -> torch.Tensor:
+    """`value_planes` side by side: fp32 values [B, H, Tq, D]."""
+    return torch.cat(value_planes(vq, scale, zero, bits, group, codebook, out_idx, out_val), dim=-1)
 
 
 def read_keys(sink: torch.Tensor, kq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               cos: torch.Tensor | None, sin: torch.Tensor | None, res: torch.Tensor, bits: int, group: int,
               codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
               out_val: torch.Tensor | None = None) -> torch.Tensor:
-    """[sink | dequantized, re-rotated keys | residual] along the token axis; cos/sin [1, Tq, R] fp32 (None: no
-    RoPE); the rest as for `block_keys`."""
-    k = block_keys(kq, scale, zero, bits, group, codebook, out_idx, out_val)
+    """[sink | dequantized, re-rotated keys | residual] along the token axis in the cache dtype; cos/sin
+    [1, Tq, R] fp32 (None: no RoPE); the rest as for `key_planes`."""
+    planes = key_planes(kq, scale, zero, bits, group, codebook, out_idx, out_val)
     if cos is not None:
-        k = apply_rope(k, cos, sin)
-    return torch.cat([sink, k.to(sink.dtype), res], dim=2)
+        planes = rotate_planes(planes, cos, sin)
+    return torch.cat([sink, torch.cat(planes, dim=-1).to(sink.dtype), res], dim=2)
 
 
 def read_values(sink: torch.Tensor, vq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, res: torch.Tensor,
                 bits: int, group: int, codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
                 out_val: torch.Tensor | None = None) -> torch.Tensor:
-    """[sink | dequantized values | residual]; the rest as for `group_values`."""
-    v = group_values(vq, scale, zero, bits, group, codebook, out_idx, out_val)
-    return torch.cat([sink, v.to(sink.dtype), res], dim=2)
+    """[sink | dequantized values | residual]; the rest as for `value_planes`."""
+    planes = value_planes(vq, scale, zero, bits, group, codebook, out_idx, out_val)
+    return torch.cat([sink, torch.cat(planes, dim=-1).to(sink.dtype), res], dim=2)
 
 
+def _plane_dot(q: torch.Tensor, planes: list[torch.Tensor]) -> torch.Tensor:
+    """Scores of q [B, H, G, D] against keys given as planes [B, H, T, w] -> [B, H, G, T] (fp32): one matmul per
+    plane (measured faster under inductor than one concatenated key matrix or a fused multiply-sum, which recomputes
+    the dequantization for each of the G query heads)."""
+    scores, a = None, 0
+    for p in planes:
+        w = p.shape[-1]
+        s = q[..., a:a + w] @ p.transpose(-1, -2)
+        scores = s if scores is None else scores + s
+        a += w
+    return scores
+
+
+def decode_attention(q: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, res_k: torch.Tensor,
+                     res_v: torch.Tensor, kq: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+                     cos: torch.Tensor | None, sin: torch.Tensor | None, vq: torch.Tensor, v_scale: torch.Tensor,
+                     v_zero: torch.Tensor, bias: torch.Tensor | None, scaling: float, k_bits: int, k_group: int,
+                     v_bits: int, v_group: int, k_codebook: torch.Tensor | None = None,
+                     v_codebook: torch.Tensor | None = None, k_oi: torch.Tensor | None = None,
+                     k_ov: torch.Tensor | None = None, v_oi: torch.Tensor | None = None,
+                     v_ov: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per head over [sinks | quantized | residual], all in fp32.
+
+    q: [B, H, G, D] fp32 (the G query heads sharing kv head h); sink_*/res_*: [B, H, S or R, D] in the cache dtype;
+    bias: additive fp32 [B, 1, 1, S+Tq+R] (0 or the fp32 minimum) or None; the quantized region as for
+    `key_planes` / `value_planes`. Returns [B, H, G, D] fp32: softmax(q k^T * scaling + bias) v."""
+    kp = key_planes(kq, k_scale, k_zero, k_bits, k_group, k_codebook, k_oi, k_ov)
+    if cos is not None:
+        kp = rotate_planes(kp, cos, sin)
+    S, Tq = sink_k.shape[2], kq.shape[2]
+    scores = torch.cat([q @ sink_k.float().transpose(-1, -2), _plane_dot(q, kp),
+                        q @ res_k.float().transpose(-1, -2)], dim=-1) * scaling  # [B, H, G, S+Tq+R]
+    if bias is not None:
+        scores = scores + bias
+    probs = torch.softmax(scores, dim=-1)
+    p_sink, p_q, p_res = probs[..., :S], probs[..., S:S + Tq], probs[..., S + Tq:]
+    vp = value_planes(vq, v_scale, v_zero, v_bits, v_group, v_codebook, v_oi, v_ov)
+    out = torch.cat([p_q @ v for v in vp], dim=-1)  # [B, H, G, D], plane by plane
+    return out + p_sink @ sink_v.float() + p_res @ res_v.float()
+
+
+_FUNCTIONS = {"read_keys": read_keys, "read_values": read_values, "decode_attention": decode_attention}
+# the arguments whose size follows the token count, and the dimension that does: (argument index, dim)
+_TOKEN_DIMS = {
+    "read_keys": [(1, 2), (2, 2), (3, 2), (4, 1), (5, 1), (6, 2), (10, 2), (11, 2)],
+    "read_values": [(1, 2), (2, 2), (3, 2), (4, 2), (8, 2), (9, 2)],
+    "decode_attention": [(3, 2), (4, 2), (5, 2), (6, 2), (7, 2), (8, 1), (9, 1), (10, 2), (11, 2),
+                         (12, 2), (13, 3), (21, 2), (22, 2), (23, 2), (24, 2)],
+}
 _COMPILED: dict[str, object] = {}
 
 
 def compiled(name: str):
-    """The torch.compile'd `read_keys` / `read_values` (built on first use, dynamic shapes: the token count grows
-    every step). Raises if torch.compile cannot build it here (e.g. no C++ compiler for the CPU backend)."""
+    """The torch.compile'd `read_keys` / `read_values` / `decode_attention`, built on first use. Only the token
+    dimensions are compiled as dynamic (they grow every step); head_dim, heads and group sizes stay static, so the
+    inner loops have fixed trip counts and vectorize. Raises if torch.compile cannot build it here (e.g. no C++
+    compiler for the CPU backend)."""
     fn = _COMPILED.get(name)
     if fn is None:
-        fn = torch.compile({"read_keys": read_keys, "read_values": read_values}[name], dynamic=True)
+        compiled_fn = torch.compile(_FUNCTIONS[name])
+        dims = _TOKEN_DIMS[name]
+
+        def fn(*args):
+            for i, d in dims:
+                if i < len(args) and isinstance(args[i], torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(args[i], d)
+            return compiled_fn(*args)
+
         _COMPILED[name] = fn
     return fn

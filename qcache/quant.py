@@ -6,16 +6,19 @@ Conventions
 * ``scale`` and ``zero`` are stored in a small float dtype (float16 by default). They are chosen *after* rounding to
   that dtype so that every input of the group still lies inside ``[zero, zero + (2**bits - 1) * scale]``: the error
   of a round trip is at most half a step (``scale / 2``) plus float rounding.
-* Packing works along the last dimension, 8 values at a time (8 values x b bits = b bytes):
+* Packing works along the last dimension, in planes: n codes of b bits are cut into k equal slices (k = 8 / b
+  codes per byte; 8 slices of a 24-bit word for 3 bits) and byte j holds code j of every slice. For 4 bits: byte j =
+  code[j] | code[j + n/2] << 4. Unpacking is then k contiguous shifts and masks with no interleave, and for keys
+  (n = head_dim) one byte holds a RoPE pair (channels j and j + head_dim/2), which the fused reads exploit:
 
-  ===== ============================ ===============
-  bits  values per packed unit       bytes per unit
-  ===== ============================ ===============
-  2     4 per byte                   1
-  3     8 per 3 bytes (24-bit word)  3
-  4     2 per byte                   1
-  8     1 per byte                   1
-  ===== ============================ ===============
+  ===== ============================ =============== ======================
+  bits  values per packed unit       bytes per unit  n must be a multiple of
+  ===== ============================ =============== ======================
+  2     4 per byte                   1               4
+  3     8 per 3 bytes (24-bit word)  3               8
+  4     2 per byte                   1               2
+  8     1 per byte                   1               1
+  ===== ============================ =============== ======================
 """
 
 from __future__ import annotations
@@ -58,49 +61,61 @@ def _check_last_dim(x: torch.Tensor, multiple: int, bits: int) -> None:
         raise ValueError(f"cannot pack {bits}-bit codes: last dim {x.shape[-1]} is not a multiple of {multiple}")
 
 
-def _shifts(bits: int, count: int, device) -> torch.Tensor:
-    return torch.arange(0, bits * count, bits, device=device, dtype=torch.int32)
+def _planes(x: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """[..., n] -> k slices [..., n/k] (contiguous along the last dim)."""
+    return list(x.chunk(k, dim=-1))
+
+
+def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """b in (2, 4): byte j = sum_i code[i * n/k + j] << (b * i), k = 8 / b."""
+    k = 8 // bits
+    _check_last_dim(codes, k, bits)
+    out = torch.zeros_like(codes[..., : codes.shape[-1] // k])
+    for i, plane in enumerate(_planes(codes, k)):
+        out |= plane << (bits * i)
+    return out
+
+
+def _unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> (bits * i)) & mask for i in range(8 // bits)], dim=-1)
 
 
 def pack_2bit_u8(codes: torch.Tensor) -> torch.Tensor:
-    """[..., n] uint8 codes < 4 -> [..., n/4] uint8."""
-    _check_last_dim(codes, 4, 2)
-    c = codes.to(torch.int32).view(*codes.shape[:-1], -1, 4)  # [..., n/4, 4]
-    return (c << _shifts(2, 4, codes.device)).sum(-1).to(torch.uint8)
+    """[..., n] uint8 codes < 4 -> [..., n/4] uint8: byte j = c[j] | c[j+n/4] << 2 | c[j+n/2] << 4 | c[j+3n/4] << 6."""
+    return _pack_planes(codes, 2)
 
 
 def unpack_2bit_u8(packed: torch.Tensor) -> torch.Tensor:
     """[..., m] uint8 -> [..., 4m] uint8 codes."""
-    p = packed.to(torch.int32).unsqueeze(-1)  # [..., m, 1]
-    return ((p >> _shifts(2, 4, packed.device)) & 3).to(torch.uint8).flatten(-2)
+    return _unpack_planes(packed, 2)
 
 
 def pack_3bit_u8(codes: torch.Tensor) -> torch.Tensor:
-    """[..., n] uint8 codes < 8 -> [..., 3n/8] uint8 (each 8 codes form a 24-bit little-endian word)."""
+    """[..., n] uint8 codes < 8 -> [..., 3n/8] uint8: word j = sum_i c[i * n/8 + j] << 3i (24 bits), stored as
+    three byte planes [bits 0-7 | bits 8-15 | bits 16-23] of n/8 bytes each."""
     _check_last_dim(codes, 8, 3)
-    c = codes.to(torch.int32).view(*codes.shape[:-1], -1, 8)  # [..., n/8, 8]
-    word = (c << _shifts(3, 8, codes.device)).sum(-1, keepdim=True)  # [..., n/8, 1]
-    byte_shifts = torch.tensor([0, 8, 16], device=codes.device, dtype=torch.int32)
-    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).flatten(-2)  # [..., 3n/8]
+    word = torch.zeros_like(codes[..., : codes.shape[-1] // 8], dtype=torch.int32)
+    for i, plane in enumerate(_planes(codes, 8)):
+        word |= plane.to(torch.int32) << (3 * i)
+    return torch.cat([((word >> s) & 0xFF).to(torch.uint8) for s in (0, 8, 16)], dim=-1)
 
 
 def unpack_3bit_u8(packed: torch.Tensor) -> torch.Tensor:
     """[..., 3m] uint8 -> [..., 8m] uint8 codes."""
-    b = packed.to(torch.int32).view(*packed.shape[:-1], -1, 3)  # [..., m, 3]
-    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # [..., m]
-    return ((word.unsqueeze(-1) >> _shifts(3, 8, packed.device)) & 7).to(torch.uint8).flatten(-2)
+    b0, b1, b2 = (p.to(torch.int32) for p in _planes(packed, 3))
+    word = b0 | (b1 << 8) | (b2 << 16)  # [..., m]
+    return torch.cat([((word >> (3 * i)) & 7).to(torch.uint8) for i in range(8)], dim=-1)
 
 
 def pack_4bit_u8(codes: torch.Tensor) -> torch.Tensor:
-    """[..., n] uint8 codes < 16 -> [..., n/2] uint8 (low nibble first)."""
-    _check_last_dim(codes, 2, 4)
-    c = codes.view(*codes.shape[:-1], -1, 2)  # [..., n/2, 2]
-    return c[..., 0] | (c[..., 1] << 4)
+    """[..., n] uint8 codes < 16 -> [..., n/2] uint8: byte j = c[j] | c[j + n/2] << 4."""
+    return _pack_planes(codes, 4)
 
 
 def unpack_4bit_u8(packed: torch.Tensor) -> torch.Tensor:
     """[..., m] uint8 -> [..., 2m] uint8 codes."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)  # [..., m, 2] -> [..., 2m]
+    return torch.cat((packed & 0xF, packed >> 4), dim=-1)
 
 
 def pack_8bit_u8(codes: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""kernel="compiled" (qcache/kernels.py) reads the same keys/values as the eager path, and is really used."""
+"""kernel="compiled" (qcache/kernels.py) reads the same keys/values as the eager path, and is really used; with the
+qcache_fp32 attention it attends from the codes (decode_attention) to the same output as attention over the read."""
 
 import pytest
 import torch
 
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig, kernels
+from qcache.attention import fp32_sdpa_attention_forward, use_fp32_attention
 from qcache.cache import _extend_run
+from qcache.quant import dequantize, pack, unpack
 
 OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
 
@@ -100,3 +103,115 @@ def test_extend_run():
 def test_kernel_option_is_checked():
     with pytest.raises(ValueError, match=r"kernel='triton'.*allowed values: \['eager', 'compiled'\]"):
         QuantCacheConfig(kernel="triton")
+
+
+def _lazy_layer(bits, outliers=0, batch=1, codebooks=None, v_group_size=16):
+    """Layer 0 of a compiled cache fed 70 + 5 tokens, switched to fused decode attention."""
+    config = make_model("llama").config
+    cache = QuantCache(config, bits=bits, outliers=outliers, kernel="compiled",
+                       **{**OPTS, "v_group_size": v_group_size})
+    _feed(cache, 5, batch=batch)
+    layer = cache.layers[0]
+    layer.fused_attention = True
+    return cache, layer
+
+
+@pytest.mark.parametrize("bits,outliers,v_group", [(4, 0, 16), (4, 1, 32), (3, 0, 16), (2, 2, 32), (8, 0, 16)])
+def test_decode_attention_equals_attention_over_the_read(bits, outliers, v_group):
+    """One query token attended from the codes == qcache_fp32 attention over the keys/values `read()` returns (same
+    fp32 dequantized values, rounded to bf16 there: so within bf16 rounding), with a padding mask."""
+    cache, layer = _lazy_layer(bits, outliers, batch=2, v_group_size=v_group)
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(2, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    keys, values = layer.update(k, v, kwargs={"position_ids": torch.tensor([[75], [75]])})
+    assert keys._qcache_layer is layer and keys.shape[2] == layer.sink_k.shape[2] + layer.res_k.shape[2]
+    full_k, full_v = layer.read()
+    T = full_k.shape[2]
+    assert T == 76 and layer.quantized_length > 0
+    query = torch.randn(2, 4, 1, 32, generator=g).to(torch.bfloat16)
+    mask = torch.ones(2, 1, 1, T, dtype=torch.bool)
+    mask[1, ..., :5] = False  # some keys hidden from row 1
+    module = torch.nn.Module()
+    for m in (None, mask):
+        fused, _ = fp32_sdpa_attention_forward(module, query, keys, values, m, scaling=0.2)
+        ref, _ = fp32_sdpa_attention_forward(module, query, full_k, full_v, m, scaling=0.2)
+        assert fused.shape == ref.shape == (2, 1, 4, 32) and fused.dtype == torch.bfloat16
+        torch.testing.assert_close(fused.float(), ref.float(), rtol=2**-7, atol=2e-3)
+    # the mask is really applied: hiding keys changes row 1 only
+    a, _ = fp32_sdpa_attention_forward(module, query, keys, values, None, scaling=0.2)
+    b, _ = fp32_sdpa_attention_forward(module, query, keys, values, mask, scaling=0.2)
+    assert torch.equal(a[0], b[0]) and not torch.allclose(a[1].float(), b[1].float(), atol=1e-3)
+
+
+def test_decode_attention_rejects_a_mask_of_another_length():
+    _, layer = _lazy_layer(4)
+    keys, values = layer.update(*(torch.randn(1, 2, 1, 32).to(torch.bfloat16) for _ in range(2)),
+                                kwargs={"position_ids": torch.tensor([[75]])})
+    with pytest.raises(ValueError, match=r"mask of shape \(1, 1, 1, 10\).*76 cached tokens"):
+        fp32_sdpa_attention_forward(torch.nn.Module(), torch.randn(1, 4, 1, 32), keys, values,
+                                    torch.ones(1, 1, 1, 10, dtype=torch.bool))
+
+
+def test_lazy_states_outside_decode_read_the_cache():
+    """Tagged states reaching the attention with more than one query (or softcap) are replaced by `read()`."""
+    _, layer = _lazy_layer(4)
+    keys, values = layer._lazy_states()
+    full_k, full_v = layer.read()
+    query = torch.randn(1, 4, 3, 32)
+    mask = torch.ones(1, 1, 3, full_k.shape[2], dtype=torch.bool)
+    out, _ = fp32_sdpa_attention_forward(torch.nn.Module(), query, keys, values, mask)
+    ref, _ = fp32_sdpa_attention_forward(torch.nn.Module(), query, full_k, full_v, mask)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("bits,outliers", [(4, 0), (2, 1)])
+def test_fused_attention_generate_same_tokens(bits, outliers, compiled_calls):
+    """generate with qcache_fp32: compiled cache + fused decode attention gives the eager cache's tokens, and the
+    fused path served every decode step of every layer."""
+    model = use_fp32_attention(make_model("llama", dtype=torch.bfloat16))
+    ids = torch.randint(2, 96, (1, 120), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for kernel in ("eager", "compiled"):
+        with torch.no_grad():
+            outs.append(model.generate(ids, cache=QuantCache(bits=bits, outliers=outliers, kernel=kernel,
+                                                                       **OPTS),
+                                       max_new_tokens=8, do_sample=False, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
+    assert compiled_calls.count("decode_attention") == 7 * 2  # 7 decode steps x 2 layers
+    assert "read_keys" not in compiled_calls[compiled_calls.index("decode_attention"):]
+
+
+def test_no_lazy_states_for_other_attention():
+    """With stock sdpa the compiled cache returns everything it holds (sdpa cannot read codes)."""
+    model = make_model("llama")
+    assert model.config._attn_implementation != "qcache_fp32"
+    cache = QuantCache(bits=4, kernel="compiled", **OPTS)
+    with torch.no_grad():
+        model.generate(torch.randint(2, 96, (1, 80)), cache=cache, max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    layer = cache.layers[0]
+    assert not layer.fused_attention and layer.quantized_length > 0
+    keys, _ = layer.update(*(torch.randn(1, 2, 1, 32) for _ in range(2)),
+                           kwargs={"position_ids": torch.tensor([[83]])})
+    assert keys.shape[2] == layer.stored_length() and not hasattr(keys, "_qcache_layer")
+
+
+def test_packing_is_planar():
+    """Byte j of 4-bit codes holds channels j (low nibble) and j + n/2 (high): a RoPE pair of a key."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)[None, :16]
+    packed = pack(codes, 4)
+    assert packed.shape[-1] == 8
+    assert torch.equal(packed & 0xF, codes[:, :8]) and torch.equal(packed >> 4, codes[:, 8:])
+    for bits in (2, 3, 4, 8):
+        c = torch.randint(0, 2**bits, (2, 3, 64), dtype=torch.uint8)
+        assert torch.equal(torch.cat(kernels.code_planes(pack(c, bits), bits), -1), c)
+
+
+def test_value_planes_when_groups_do_not_nest():
+    """head_dim 48 in value groups of 16 with 4-bit planes of 24 channels: one plane, same values."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (1, 2, 5, 48), generator=g, dtype=torch.uint8)
+    scale, zero = torch.rand(1, 2, 5, 3, generator=g), torch.rand(1, 2, 5, 3, generator=g)
+    got = kernels.group_values(pack(codes, 4), scale, zero, 4, 16, None)
+    ref = dequantize(codes.view(1, 2, 5, 3, 16), scale[..., None], zero[..., None]).view(1, 2, 5, 48)
+    assert torch.equal(got, ref)
