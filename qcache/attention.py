@@ -34,6 +34,13 @@ Usage (registered under the name "qcache_fp32", with transformers' sdpa mask bui
     >>> model.generate(**inputs, cache=QuantCache(bits=4))  # doctest: +SKIP
 
 or `from_pretrained(..., attn_implementation="qcache_fp32")` after `register_fp32_attention()`.
+
+With a `QuantCache(kernel="compiled")`, decode steps go one step further: the cache's `update` returns only its
+full-precision tokens, tagged with the layer, and this function lets the layer attend from its codes
+(`QuantLayer.decode_attention`: scores and the weighted sum of values computed from the packed planes in fp32,
+no dequantized K/V written out). Anything else that reaches it with tagged states (more than one query token, a
+softcap, a position bias) gets the layer's full keys/values through `read()`, as update() returns them otherwise.
+The cache only tags states when the calling model's attention implementation is this one.
 """
 
 from __future__ import annotations
@@ -150,7 +157,7 @@ def fp32_sdpa_attention_forward(
     layer = getattr(key, "_qcache_layer", None)
     if layer is not None:  # a QuantCache layer handed over its full-precision tokens only: it attends itself
         if Tq == 1 and softcap is None and position_bias is None and dropout == 0.0:
-            out = layer.decode_attention(query, attention_mask, scaling)  # [B, Hq, 1, D] fp32
+            out = layer.decode_attention(query, attention_mask, scaling, (key, value))  # [B, Hq, 1, D] fp32
             return out.transpose(1, 2).contiguous().to(out_dtype), None
         key, value = layer.read()  # anything else: the cache's keys/values, as update() returns them otherwise
     Hkv = key.shape[1]

@@ -383,10 +383,11 @@ class QuantLayer(CacheLayerMixin):
         """All keys (RoPE applied) and values the layer holds, [B, H, T, D] in the cache dtype."""
         return self._read()
 
-    def decode_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
-                         scaling: float | None) -> torch.Tensor:
+    def decode_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
+                         fp_states: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """fp32 attention of one query token [B, Hq, 1, D] over everything held, straight from the codes
-        (`kernels.decode_attention`); attention_mask: None, bool (True = attend) or additive, [B, 1, 1, T_held].
+        (`kernels.decode_attention`); attention_mask: None, bool (True = attend) or additive, [B, 1, 1, T_held];
+        fp_states: what `update` returned ([sinks | residual] keys and values), rebuilt when None.
         Returns [B, Hq, 1, D] fp32."""
         B, Hq, _, D = query.shape
         H = self.kq.shape[1]
@@ -401,15 +402,18 @@ class QuantLayer(CacheLayerMixin):
             bias = attention_mask.float()
             if attention_mask.dtype == torch.bool:
                 bias = torch.zeros_like(bias).masked_fill_(~attention_mask, torch.finfo(torch.float32).min)
+        fp_k, fp_v = fp_states if fp_states is not None else self._lazy_states()
+        if fp_k.shape[2] != S + R:
+            raise ValueError(f"layer {self.layer_idx}: got {fp_k.shape[2]} full-precision tokens, the layer holds "
+                             f"{S + R}: pass what update() returned for this step")
         cos = sin = None
         if self.rope is not None:
             cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, self.kq.device)
         q = query.float().reshape(B, H, Hq // H, D)  # query head h*G+g reads kv head h (as repeat_kv)
         out = kernels.compiled("decode_attention")(
-            q, self.sink_k, self.sink_v, self.res_k, self.res_v, self.kq, self.k_scale, self.k_zero, cos, sin,
-            self.vq, self.v_scale, self.v_zero, bias, D**-0.5 if scaling is None else scaling, self.cfg.k_bits,
-            self.cfg.k_group_size, self.cfg.v_bits, self.v_group, self.k_codebook, self.v_codebook, self.k_oi,
-            self.k_ov, self.v_oi, self.v_ov)
+            q, fp_k, fp_v, S, self.kq, self.k_scale, self.k_zero, cos, sin, self.vq, self.v_scale, self.v_zero, bias,
+            D**-0.5 if scaling is None else scaling, self.cfg.k_bits, self.cfg.k_group_size, self.cfg.v_bits,
+            self.v_group, self.k_codebook, self.v_codebook, self.k_oi, self.k_ov, self.v_oi, self.v_ov)
         return out.reshape(B, Hq, 1, D)
 
     def _per_token(self, per_block: torch.Tensor) -> torch.Tensor:

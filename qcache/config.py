@@ -59,7 +59,10 @@ class QuantCacheConfig:
         kernel: how the cache is read each step. "eager": plain PyTorch ops. "compiled": unpack, dequantize,
             RoPE and the cast fused by `torch.compile` (qcache/kernels.py): the same values, faster decode, a
             one-time compile (seconds) on first use; needs what torch.compile needs on the device (a C++ compiler
-            on CPU) and raises if it is missing. Layouts it does not cover are read eagerly (same values).
+            on CPU) and raises if it is missing. Layouts it does not cover are read eagerly (same values). With
+            the model on the `qcache_fp32` attention (`use_fp32_attention(model)`), "compiled" also decodes
+            without handing dequantized keys/values to attention: one query token attends straight from the codes
+            (`kernels.decode_attention`, fp32).
 
     Example:
         >>> QuantCacheConfig(bits=2).k_bits

@@ -149,45 +149,36 @@ def read_values(sink: torch.Tensor, vq: torch.Tensor, scale: torch.Tensor, zero:
     return torch.cat([sink, torch.cat(planes, dim=-1).to(sink.dtype), res], dim=2)
 
 
-def _plane_dot(q: torch.Tensor, planes: list[torch.Tensor]) -> torch.Tensor:
-    """Scores of q [B, H, G, D] against keys given as planes [B, H, T, w] -> [B, H, G, T] (fp32): one matmul per
-    plane (measured faster under inductor than one concatenated key matrix or a fused multiply-sum, which recomputes
-    the dequantization for each of the G query heads)."""
-    scores, a = None, 0
-    for p in planes:
-        w = p.shape[-1]
-        s = q[..., a:a + w] @ p.transpose(-1, -2)
-        scores = s if scores is None else scores + s
-        a += w
-    return scores
-
-
-def decode_attention(q: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, res_k: torch.Tensor,
-                     res_v: torch.Tensor, kq: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-                     cos: torch.Tensor | None, sin: torch.Tensor | None, vq: torch.Tensor, v_scale: torch.Tensor,
-                     v_zero: torch.Tensor, bias: torch.Tensor | None, scaling: float, k_bits: int, k_group: int,
-                     v_bits: int, v_group: int, k_codebook: torch.Tensor | None = None,
-                     v_codebook: torch.Tensor | None = None, k_oi: torch.Tensor | None = None,
-                     k_ov: torch.Tensor | None = None, v_oi: torch.Tensor | None = None,
-                     v_ov: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor, n_sink: int, kq: torch.Tensor,
+                     k_scale: torch.Tensor, k_zero: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                     vq: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, bias: torch.Tensor | None,
+                     scaling: float, k_bits: int, k_group: int, v_bits: int, v_group: int,
+                     k_codebook: torch.Tensor | None = None, v_codebook: torch.Tensor | None = None,
+                     k_oi: torch.Tensor | None = None, k_ov: torch.Tensor | None = None,
+                     v_oi: torch.Tensor | None = None, v_ov: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per head over [sinks | quantized | residual], all in fp32.
 
-    q: [B, H, G, D] fp32 (the G query heads sharing kv head h); sink_*/res_*: [B, H, S or R, D] in the cache dtype;
-    bias: additive fp32 [B, 1, 1, S+Tq+R] (0 or the fp32 minimum) or None; the quantized region as for
-    `key_planes` / `value_planes`. Returns [B, H, G, D] fp32: softmax(q k^T * scaling + bias) v."""
+    q: [B, H, G, D] fp32 (the G query heads sharing kv head h); fp_k / fp_v: the full-precision tokens
+    [sinks | residual] [B, H, S+R, D] in the cache dtype, the first `n_sink` of them sinks; bias: additive fp32
+    [B, 1, 1, S+Tq+R] (0 or the fp32 minimum) or None; the quantized region as for `key_planes` / `value_planes`.
+    Returns [B, H, G, D] fp32: softmax(q k^T * scaling + bias) v.
+
+    The quantized keys and values are dequantized plane by plane (RoPE on the pairs) into fp32 and multiplied
+    with one matmul each (measured faster under inductor than a fused multiply-sum, which recomputes the
+    dequantization for each of the G query heads, or than one matmul per plane)."""
     kp = key_planes(kq, k_scale, k_zero, k_bits, k_group, k_codebook, k_oi, k_ov)
     if cos is not None:
         kp = rotate_planes(kp, cos, sin)
-    S, Tq = sink_k.shape[2], kq.shape[2]
-    scores = torch.cat([q @ sink_k.float().transpose(-1, -2), _plane_dot(q, kp),
-                        q @ res_k.float().transpose(-1, -2)], dim=-1) * scaling  # [B, H, G, S+Tq+R]
+    S, Tq = n_sink, kq.shape[2]
+    s_q = q @ torch.cat(kp, dim=-1).transpose(-1, -2)  # [B, H, G, Tq]
+    s_fp = q @ fp_k.float().transpose(-1, -2)  # [B, H, G, S+R]
+    scores = torch.cat([s_fp[..., :S], s_q, s_fp[..., S:]], dim=-1) * scaling  # key order of the cache
     if bias is not None:
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
-    p_sink, p_q, p_res = probs[..., :S], probs[..., S:S + Tq], probs[..., S + Tq:]
-    vp = value_planes(vq, v_scale, v_zero, v_bits, v_group, v_codebook, v_oi, v_ov)
-    out = torch.cat([p_q @ v for v in vp], dim=-1)  # [B, H, G, D], plane by plane
-    return out + p_sink @ sink_v.float() + p_res @ res_v.float()
+    p_fp = torch.cat([probs[..., :S], probs[..., S + Tq:]], dim=-1)
+    values = torch.cat(value_planes(vq, v_scale, v_zero, v_bits, v_group, v_codebook, v_oi, v_ov), dim=-1)
+    return probs[..., S:S + Tq] @ values + p_fp @ fp_v.float()
 
 
 _FUNCTIONS = {"read_keys": read_keys, "read_values": read_values, "decode_attention": decode_attention}
@@ -195,8 +186,8 @@ _FUNCTIONS = {"read_keys": read_keys, "read_values": read_values, "decode_attent
 _TOKEN_DIMS = {
     "read_keys": [(1, 2), (2, 2), (3, 2), (4, 1), (5, 1), (6, 2), (10, 2), (11, 2)],
     "read_values": [(1, 2), (2, 2), (3, 2), (4, 2), (8, 2), (9, 2)],
-    "decode_attention": [(3, 2), (4, 2), (5, 2), (6, 2), (7, 2), (8, 1), (9, 1), (10, 2), (11, 2),
-                         (12, 2), (13, 3), (21, 2), (22, 2), (23, 2), (24, 2)],
+    "decode_attention": [(1, 2), (2, 2), (4, 2), (5, 2), (6, 2), (7, 1), (8, 1), (9, 2), (10, 2), (11, 2), (12, 3),
+                         (20, 2), (21, 2), (22, 2), (23, 2)],
 }
 _COMPILED: dict[str, object] = {}
 
