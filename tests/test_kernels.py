@@ -164,11 +164,13 @@ def test_lazy_states_outside_decode_read_the_cache():
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("bits,outliers", [(4, 0), (2, 1)])
-def test_fused_attention_generate_same_tokens(bits, outliers, compiled_calls):
+@pytest.mark.parametrize("family,bits,outliers,quant_layers", [("llama", 4, 0, 2), ("llama", 2, 1, 2),
+                                                                  ("gemma3", 4, 0, 1)])
+def test_fused_attention_generate_same_tokens(family, bits, outliers, quant_layers, compiled_calls):
     """generate with qcache_fp32: compiled cache + fused decode attention gives the eager cache's tokens, and the
-    fused path served every decode step of every layer."""
-    model = use_fp32_attention(make_model("llama", dtype=torch.bfloat16))
+    fused path served every decode step of every quantized layer (Gemma 3: its one full-attention layer; the
+    sliding ones are native)."""
+    model = use_fp32_attention(make_model(family, dtype=torch.bfloat16))
     ids = torch.randint(2, 96, (1, 120), generator=torch.Generator().manual_seed(3))
     outs = []
     for kernel in ("eager", "compiled"):
@@ -177,7 +179,7 @@ def test_fused_attention_generate_same_tokens(bits, outliers, compiled_calls):
                                                                        **OPTS),
                                        max_new_tokens=8, do_sample=False, pad_token_id=0))
     assert torch.equal(outs[0], outs[1])
-    assert compiled_calls.count("decode_attention") == 7 * 2  # 7 decode steps x 2 layers
+    assert compiled_calls.count("decode_attention") == 7 * quant_layers  # 7 decode steps x quantized layers
     assert "read_keys" not in compiled_calls[compiled_calls.index("decode_attention"):]
 
 
