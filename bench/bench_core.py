@@ -111,7 +111,8 @@ def to_markdown(result: dict) -> str:
             if "error" in r:
                 lines.append(f"| {r['cache']} | n/a | {r['error']} | |")
             else:
-                lines.append(f"| {r['cache']} | {r['ppl']:.4f} | {r['delta_pct']:+.2f} % | {r['seconds']:.0f} |")
+                delta = f"{r['delta_pct']:+.2f} %" if "delta_pct" in r else "n/a (no default row)"
+                lines.append(f"| {r['cache']} | {r['ppl']:.4f} | {delta} | {r['seconds']:.0f} |")
         lines.append("")
     if result.get("notes"):
         lines += [f"Note: {result['notes']}", ""]
