@@ -700,7 +700,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="mmap: children run with MALLOC_MMAP_THRESHOLD_=131072, so freed tensors leave RSS at once and "
                         "the peak measures live memory; glibc: the default dynamic threshold (peaks then include heap "
                         "fragmentation and varied by up to 80 MiB between identical 4k runs)")
-    p.add_argument("--profile", nargs="*", default=["quant:4", "quant:4@fp32", "default"],
+    p.add_argument("--profile", nargs="*", default=["quant:4", "quant:4@fp32", "quant:4+compiled@fp32", "default"],
                    help="rows profiled at the largest decode context")
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled per row")
     p.add_argument("--profile-top", type=int, default=14, help="top ops listed per profile")
