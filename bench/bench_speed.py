@@ -240,8 +240,7 @@ class _Regions:
     """Wraps qcache's cache internals in torch.profiler record_function ranges while profiling (restored after)."""
 
     TARGETS = [("qcache.cache", "QuantLayer", "update"), ("qcache.cache", "QuantLayer", "_flush"),
-               ("qcache.cache", "QuantLayer", "_dequantized_keys"),
-               ("qcache.cache", "QuantLayer", "_dequantized_values"),
+               ("qcache.cache", "QuantLayer", "_read"), ("qcache.cache", "QuantLayer", "decode_attention"),
                ("qcache.rope", "RopeHelper", "redo"), ("qcache.rope", "RopeHelper", "cos_sin")]
 
     def __enter__(self):
@@ -644,9 +643,10 @@ def to_markdown(result: dict) -> str:
     if result.get("profiles"):
         for p in result["profiles"]:
             lines += [f"## Profile: {p['row']} decode at {p['context']} tokens ({p['steps']} steps; "
-                      f"{p['wall_ms_per_step']:.0f} ms/step wall, {p['profiled_ms_per_step']:.0f} ms/step in ops)", "",
-                      f"Attention (`aten::scaled_dot_product_attention`, inclusive): "
-                      f"{p['attention_ms_per_step']:.0f} ms/step", ""]
+                      f"{p['wall_ms_per_step']:.0f} ms/step wall, {p['profiled_ms_per_step']:.0f} ms/step in ops)", ""]
+            if p["attention_ms_per_step"]:  # the fused row attends in QuantLayer.decode_attention instead
+                lines += [f"Attention (`aten::scaled_dot_product_attention`, inclusive): "
+                          f"{p['attention_ms_per_step']:.0f} ms/step", ""]
             if p["regions"]:
                 lines += ["| qcache region (inclusive) | ms/step | calls/step |", "|---|---:|---:|"]
                 lines += [f"| {r['region']} | {r['ms_per_step']:.1f} | {r['calls_per_step']:.0f} |"

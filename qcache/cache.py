@@ -345,10 +345,10 @@ class QuantLayer(CacheLayerMixin):
             cos = sin = None
             if self.rope is not None:
                 cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, self.kq.device)
-            keys = kernels.compiled("read_keys")(self.sink_k, self.kq, self.k_scale, self.k_zero, cos, sin,
+            keys = kernels.compiled("read_keys", self._kernel_variant)(self.sink_k, self.kq, self.k_scale, self.k_zero, cos, sin,
                                                  self.res_k, self.cfg.k_bits, self.cfg.k_group_size, self.k_codebook,
                                                  self.k_oi, self.k_ov)
-            values = kernels.compiled("read_values")(self.sink_v, self.vq, self.v_scale, self.v_zero, self.res_v,
+            values = kernels.compiled("read_values", self._kernel_variant)(self.sink_v, self.vq, self.v_scale, self.v_zero, self.res_v,
                                                      self.cfg.v_bits, self.v_group, self.v_codebook, self.v_oi,
                                                      self.v_ov)
             return keys, values
@@ -360,6 +360,12 @@ class QuantLayer(CacheLayerMixin):
         self._dequantize_keys_into(keys[:, :, S:S + Tq])
         self._dequantize_values_into(values[:, :, S:S + Tq])
         return keys, values
+
+    @property
+    def _kernel_variant(self) -> tuple:
+        """What makes the compiled functions' code differ between caches (each gets its own compile budget)."""
+        return (self.cfg.k_bits, self.cfg.v_bits, self.cfg.k_group_size, self.v_group, self.cfg.outliers,
+                self.k_codebook is not None, self.v_codebook is not None, self.rope is not None, self.dtype)
 
     def _fused_layout(self) -> bool:
         """The layout `kernels` handles: full key blocks with per-block scales, one position run for all rows."""
@@ -410,7 +416,7 @@ class QuantLayer(CacheLayerMixin):
         if self.rope is not None:
             cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, self.kq.device)
         q = query.float().reshape(B, H, Hq // H, D)  # query head h*G+g reads kv head h (as repeat_kv)
-        out = kernels.compiled("decode_attention")(
+        out = kernels.compiled("decode_attention", self._kernel_variant)(
             q, fp_k, fp_v, S, self.kq, self.k_scale, self.k_zero, cos, sin, self.vq, self.v_scale, self.v_zero, bias,
             D**-0.5 if scaling is None else scaling, self.cfg.k_bits, self.cfg.k_group_size, self.cfg.v_bits,
             self.v_group, self.k_codebook, self.v_codebook, self.k_oi, self.k_ov, self.v_oi, self.v_ov)

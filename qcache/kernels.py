@@ -19,6 +19,9 @@ block, left padding, beams at different positions, static key ranges) with its e
 
 from __future__ import annotations
 
+import types
+from collections.abc import Hashable
+
 import torch
 
 from .quant import dequantize, scatter_outliers, unpack
@@ -192,17 +195,24 @@ _TOKEN_DIMS = {
     "decode_attention": [(1, 2), (2, 2), (4, 2), (5, 2), (6, 2), (7, 1), (8, 1), (9, 2), (10, 2), (11, 2), (12, 3),
                          (20, 2), (21, 2), (22, 2), (23, 2)],
 }
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[tuple, object] = {}
 
 
-def compiled(name: str):
-    """The torch.compile'd `read_keys` / `read_values` / `decode_attention`, built on first use. Only the token
-    dimensions are compiled as dynamic (they grow every step); head_dim, heads and group sizes stay static, so the
-    inner loops have fixed trip counts and vectorize. Raises if torch.compile cannot build it here (e.g. no C++
-    compiler for the CPU backend)."""
-    fn = _COMPILED.get(name)
+def _own_code(fn):
+    """A copy of `fn` with a code object of its own. torch.compile keeps its compiled entries, and its limit of
+    recompiles (8), per code object: each cache configuration gets its own budget instead of sharing one."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def compiled(name: str, variant: Hashable = None):
+    """The torch.compile'd `read_keys` / `read_values` / `decode_attention` for one cache configuration
+    (`variant`: what a QuantLayer's settings make static), built on first use. Only the token dimensions are
+    compiled as dynamic (they grow every step); head_dim, heads and group sizes stay static, so the inner loops
+    have fixed trip counts and vectorize. Raises if torch.compile cannot build it here (e.g. no C++ compiler for
+    the CPU backend)."""
+    fn = _COMPILED.get((name, variant))
     if fn is None:
-        compiled_fn = torch.compile(_FUNCTIONS[name])
+        compiled_fn = torch.compile(_own_code(_FUNCTIONS[name]))
         dims = _TOKEN_DIMS[name]
 
         def fn(*args):
@@ -211,5 +221,5 @@ def compiled(name: str):
                     torch._dynamo.maybe_mark_dynamic(args[i], d)
             return compiled_fn(*args)
 
-        _COMPILED[name] = fn
+        _COMPILED[(name, variant)] = fn
     return fn

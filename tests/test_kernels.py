@@ -32,8 +32,8 @@ def compiled_calls(monkeypatch):
     calls = []
     original = kernels.compiled
 
-    def counting(name):
-        fn = original(name)
+    def counting(name, *variant):
+        fn = original(name, *variant)
 
         def call(*args):
             calls.append(name)
@@ -217,3 +217,16 @@ def test_value_planes_when_groups_do_not_nest():
     got = kernels.group_values(pack(codes, 4), scale, zero, 4, 16, None)
     ref = dequantize(codes.view(1, 2, 5, 3, 16), scale[..., None], zero[..., None]).view(1, 2, 5, 48)
     assert torch.equal(got, ref)
+
+
+def test_each_cache_configuration_compiles_on_its_own_code():
+    """torch.compile's recompile limit (8) is per code object: one per configuration, so a process that runs many
+    configurations (an eval sweep) does not fall back to uncompiled reads."""
+    a, b = kernels.compiled("read_values", ("x",)), kernels.compiled("read_values", ("y",))
+    assert a is not b and kernels.compiled("read_values", ("x",)) is a
+    copy = kernels._own_code(kernels.read_values)
+    assert copy.__code__ is not kernels.read_values.__code__ and copy.__code__.co_code == kernels.read_values.__code__.co_code
+    _, layer = _lazy_layer(4)
+    other = QuantCache(make_model("llama").config, bits=2, kernel="compiled", **OPTS)
+    _feed(other, 0)
+    assert layer._kernel_variant != other.layers[0]._kernel_variant
