@@ -196,6 +196,7 @@ _TOKEN_DIMS = {
                          (20, 2), (21, 2), (22, 2), (23, 2)],
 }
 _COMPILED: dict[tuple, object] = {}
+_COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
 
 
 def _own_code(fn):
@@ -219,7 +220,14 @@ def compiled(name: str, variant: Hashable = None):
             for i, d in dims:
                 if i < len(args) and isinstance(args[i], torch.Tensor):
                     torch._dynamo.maybe_mark_dynamic(args[i], d)
-            return compiled_fn(*args)
+            try:
+                return compiled_fn(*args)
+            except _COMPILE_ERRORS as e:
+                raise RuntimeError(
+                    f"kernel='compiled': torch.compile could not build qcache's {name} here ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); it needs a working C++ compiler on CPU (Triton on "
+                    "GPU). Allowed instead: kernel='eager' (same values, slower decode)"
+                ) from e
 
         _COMPILED[(name, variant)] = fn
     return fn

@@ -230,3 +230,17 @@ def test_each_cache_configuration_compiles_on_its_own_code():
     other = QuantCache(make_model("llama").config, bits=2, kernel="compiled", **OPTS)
     _feed(other, 0)
     assert layer._kernel_variant != other.layers[0]._kernel_variant
+
+
+def test_a_failed_compile_names_the_way_out(monkeypatch):
+    """No C++ compiler (or any backend failure): a RuntimeError naming kernel='eager', not an inductor traceback."""
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed(fn, RuntimeError("cc1plus: not found"), None)
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    config = make_model("llama").config
+    with pytest.raises(RuntimeError, match=r"kernel='compiled'.*read_keys.*kernel='eager'"):
+        _feed(QuantCache(config, bits=4, kernel="compiled", **OPTS), 0)
