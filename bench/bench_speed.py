@@ -240,7 +240,7 @@ class _Regions:
     """Wraps qcache's cache internals in torch.profiler record_function ranges while profiling (restored after)."""
 
     TARGETS = [("qcache.cache", "QuantLayer", "update"), ("qcache.cache", "QuantLayer", "_flush"),
-               ("qcache.cache", "QuantLayer", "_read"), ("qcache.cache", "QuantLayer", "decode_attention"),
+               ("qcache.cache", "QuantLayer", "read"), ("qcache.cache", "QuantLayer", "decode_attention"),
                ("qcache.rope", "RopeHelper", "redo"), ("qcache.rope", "RopeHelper", "cos_sin")]
 
     def __enter__(self):

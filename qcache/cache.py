@@ -249,7 +249,7 @@ class QuantLayer(CacheLayerMixin):
 
         if T == 1 and self.fused_attention and self._decode_fusable():
             return self._lazy_states()
-        keys, values = self._read()
+        keys, values = self.read()
         if self.is_sliding:
             keys, values = keys[:, :, -(kv_before + T):], values[:, :, -(kv_before + T):]
             self._evict()
@@ -336,21 +336,20 @@ class QuantLayer(CacheLayerMixin):
         return tuple(t.to(device)[None, :, None, :] for t in self.k_static)
 
     # -- reading ---------------------------------------------------------------------------------------------
-    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values as the cache holds them: [sinks | dequantized | residual], [B, H, T_stored, D]."""
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (RoPE applied) and values as the cache holds them, in the cache dtype: [sinks | dequantized |
+        residual], [B, H, T_stored, D]."""
         S, Tq, R = self.sink_k.shape[2], self.kq.shape[2], self.res_k.shape[2]
         if Tq == 0:
             return torch.cat([self.sink_k, self.res_k], dim=2), torch.cat([self.sink_v, self.res_v], dim=2)
         if self.cfg.kernel == "compiled" and self._fused_layout():
-            cos = sin = None
-            if self.rope is not None:
-                cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, self.kq.device)
-            keys = kernels.compiled("read_keys", self._kernel_variant)(self.sink_k, self.kq, self.k_scale, self.k_zero, cos, sin,
-                                                 self.res_k, self.cfg.k_bits, self.cfg.k_group_size, self.k_codebook,
-                                                 self.k_oi, self.k_ov)
-            values = kernels.compiled("read_values", self._kernel_variant)(self.sink_v, self.vq, self.v_scale, self.v_zero, self.res_v,
-                                                     self.cfg.v_bits, self.v_group, self.v_codebook, self.v_oi,
-                                                     self.v_ov)
+            cos, sin = self._quantized_cos_sin()
+            keys = kernels.compiled("read_keys", self._kernel_variant)(
+                self.sink_k, self.kq, self.k_scale, self.k_zero, cos, sin, self.res_k, self.cfg.k_bits,
+                self.cfg.k_group_size, self.k_codebook, self.k_oi, self.k_ov)
+            values = kernels.compiled("read_values", self._kernel_variant)(
+                self.sink_v, self.vq, self.v_scale, self.v_zero, self.res_v, self.cfg.v_bits, self.v_group,
+                self.v_codebook, self.v_oi, self.v_ov)
             return keys, values
         B, H, _, D = self.res_k.shape
         keys = self.res_k.new_empty(B, H, S + Tq + R, D)
@@ -366,6 +365,15 @@ class QuantLayer(CacheLayerMixin):
         """What makes the compiled functions' code differ between caches (each gets its own compile budget)."""
         return (self.cfg.k_bits, self.cfg.v_bits, self.cfg.k_group_size, self.v_group, self.cfg.outliers,
                 self.k_codebook is not None, self.v_codebook is not None, self.rope is not None, self.dtype)
+
+    def _quantized_cos_sin(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp32 cos/sin of the quantized region's positions ([1, Tq, R], a table view, when they are one run in
+        every row; else [B, Tq, R]); (None, None) without RoPE."""
+        if self.rope is None:
+            return None, None
+        if self._q_start is not None:
+            return self.rope.cos_sin_range(self._q_start, self.kq.shape[2], self.layer_idx, self.kq.device)
+        return self.rope.cos_sin(self.q_pos, self.layer_idx)
 
     def _fused_layout(self) -> bool:
         """The layout `kernels` handles: full key blocks with per-block scales, one position run for all rows."""
@@ -385,16 +393,11 @@ class QuantLayer(CacheLayerMixin):
         keys._qcache_layer = values._qcache_layer = self
         return keys, values
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All keys (RoPE applied) and values the layer holds, [B, H, T, D] in the cache dtype."""
-        return self._read()
-
     def decode_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
-                         fp_states: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         fp_states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """fp32 attention of one query token [B, Hq, 1, D] over everything held, straight from the codes
         (`kernels.decode_attention`); attention_mask: None, bool (True = attend) or additive, [B, 1, 1, T_held];
-        fp_states: what `update` returned ([sinks | residual] keys and values), rebuilt when None.
-        Returns [B, Hq, 1, D] fp32."""
+        fp_states: what `update` returned ([sinks | residual] keys and values). Returns [B, Hq, 1, D] fp32."""
         B, Hq, _, D = query.shape
         H = self.kq.shape[1]
         S, Tq, R = self.sink_k.shape[2], self.kq.shape[2], self.res_k.shape[2]
@@ -408,13 +411,11 @@ class QuantLayer(CacheLayerMixin):
             bias = attention_mask.float()
             if attention_mask.dtype == torch.bool:
                 bias = torch.zeros_like(bias).masked_fill_(~attention_mask, torch.finfo(torch.float32).min)
-        fp_k, fp_v = fp_states if fp_states is not None else self._lazy_states()
+        fp_k, fp_v = fp_states
         if fp_k.shape[2] != S + R:
             raise ValueError(f"layer {self.layer_idx}: got {fp_k.shape[2]} full-precision tokens, the layer holds "
                              f"{S + R}: pass what update() returned for this step")
-        cos = sin = None
-        if self.rope is not None:
-            cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, self.kq.device)
+        cos, sin = self._quantized_cos_sin()
         q = query.float().reshape(B, H, Hq // H, D)  # query head h*G+g reads kv head h (as repeat_kv)
         out = kernels.compiled("decode_attention", self._kernel_variant)(
             q, fp_k, fp_v, S, self.kq, self.k_scale, self.k_zero, cos, sin, self.vq, self.v_scale, self.v_zero, bias,
@@ -429,19 +430,11 @@ class QuantLayer(CacheLayerMixin):
 
     def _dequantize_keys_into(self, out: torch.Tensor) -> None:
         """Write the quantized region's keys (RoPE re-applied, in the cache dtype) into `out` [B, H, Tq, D]."""
-        Tq = self.kq.shape[2]
-        cos = sin = None
-        if self.rope is not None:
-            if self._q_start is not None:
-                cos, sin = self.rope.cos_sin_range(self._q_start, Tq, self.layer_idx, out.device)
-            else:
-                cos, sin = self.rope.cos_sin(self.q_pos, self.layer_idx)
+        cos, sin = self._quantized_cos_sin()
         if self._uniform_blocks and self.k_static is None:  # plane by plane (see qcache/kernels.py)
-            planes = kernels.key_planes(self.kq, self.k_scale, self.k_zero, self.cfg.k_bits, self.cfg.k_group_size,
-                                        self.k_codebook, self.k_oi, self.k_ov)
-            if cos is not None:
-                planes = kernels.rotate_planes(planes, cos, sin)
-            _write_planes(out, planes)
+            _write_planes(out, kernels.key_planes(self.kq, self.k_scale, self.k_zero, self.cfg.k_bits,
+                                                  self.cfg.k_group_size, self.k_codebook, self.k_oi, self.k_ov,
+                                                  cos, sin))
             return
         codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
         if self.k_static is not None:

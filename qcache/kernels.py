@@ -3,7 +3,7 @@
 Codes are packed in planes (qcache/quant.py): byte j of a 4-bit key holds channels j and j + D/2, which is a RoPE
 pair. So every step of the read works on contiguous channel slices ("planes") and never interleaves: each plane is
 dequantized with its slice of the scales, a RoPE pair of planes is rotated together, and the planes are written
-side by side. The eager read (`QuantLayer._read`) and the `torch.compile`d functions below call the same functions,
+side by side. The eager read (`QuantLayer.read`) and the `torch.compile`d functions below call the same functions,
 so `kernel="compiled"` reads exactly what `kernel="eager"` reads (up to a fused multiply-add in the last fp32 bit).
 Written this way, inductor vectorizes the whole read (an unpack that interleaves or concatenates codes before the
 arithmetic makes it fall back to scalar loops, measured 3-5x slower).
@@ -19,41 +19,28 @@ block, left padding, beams at different positions, static key ranges) with its e
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Hashable
 
 import torch
 
-from .quant import dequantize, scatter_outliers, unpack
+from .quant import code_planes, dequantize, scatter_outliers, unpack
 from .rope import apply_rope
 
 __all__ = [
-    "code_planes", "key_planes", "value_planes", "rotate_planes", "block_keys", "group_values", "read_keys",
+    "code_planes", "key_planes", "value_planes", "rotate_planes", "group_values", "read_keys",
     "read_values", "decode_attention", "compiled",
 ]
 
 
-def code_planes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """uint8 codes of packed [..., n*bits/8] as an even number of equal channel slices [..., w] (in channel order).
-
-    4 bits: (low nibbles, high nibbles) = channels [0, n/2) and [n/2, n); 2 bits: 4 slices; 3 bits: 8 slices (the
-    3-byte words); 8 bits: the two halves."""
-    if bits == 8:
-        return list(packed.chunk(2, dim=-1))
-    if bits == 3:
-        b0, b1, b2 = (p.to(torch.int32) for p in packed.chunk(3, dim=-1))
-        word = b0 | (b1 << 8) | (b2 << 16)
-        return [((word >> (3 * i)) & 7).to(torch.uint8) for i in range(8)]
-    mask = (1 << bits) - 1
-    return [(packed >> (bits * i)) & mask for i in range(8 // bits)]
-
-
 def key_planes(kq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
                codebook: torch.Tensor | None, out_idx: torch.Tensor | None = None,
-               out_val: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """fp32 keys (before RoPE) as channel planes [B, H, Tq, w] from codes kq [B, H, Tq, D*bits/8] in full blocks of
-    `group` tokens, scale/zero [B, H, Tq/group, D] per block and channel, outliers [B, H, Tq/group, m, D]
-    (token offsets in the block, values) or None."""
+               out_val: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+               sin: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """fp32 keys as channel planes [B, H, Tq, w] from codes kq [B, H, Tq, D*bits/8] in full blocks of `group`
+    tokens, scale/zero [B, H, Tq/group, D] per block and channel, outliers [B, H, Tq/group, m, D] (token offsets in
+    the block, values) or None; RoPE re-applied (`rotate_planes`) when cos/sin are given, else before RoPE."""
     planes = []
     a = 0
     for codes in code_planes(kq, bits):
@@ -66,7 +53,7 @@ def key_planes(kq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: 
             scatter_outliers(x, 3, out_idx[..., sl], out_val[..., sl])
         planes.append(x.view(B, H, Tq, w))
         a += w
-    return planes
+    return planes if cos is None else rotate_planes(planes, cos, sin)
 
 
 def value_planes(vq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
@@ -125,11 +112,6 @@ def rotate_planes(planes: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     return out
 
 
-def block_keys(kq, scale, zero, bits, group, codebook, out_idx=None, out_val=None) -> torch.Tensor:
-    """`key_planes` side by side: fp32 keys [B, H, Tq, D] before RoPE."""
-    return torch.cat(key_planes(kq, scale, zero, bits, group, codebook, out_idx, out_val), dim=-1)
-
-
 def group_values(vq, scale, zero, bits, group, codebook, out_idx=None, out_val=None) -> torch.Tensor:
     """`value_planes` side by side: fp32 values [B, H, Tq, D]."""
     return torch.cat(value_planes(vq, scale, zero, bits, group, codebook, out_idx, out_val), dim=-1)
@@ -141,9 +123,7 @@ def read_keys(sink: torch.Tensor, kq: torch.Tensor, scale: torch.Tensor, zero: t
               out_val: torch.Tensor | None = None) -> torch.Tensor:
     """[sink | dequantized, re-rotated keys | residual] along the token axis in the cache dtype; cos/sin
     [1, Tq, R] fp32 (None: no RoPE); the rest as for `key_planes`."""
-    planes = key_planes(kq, scale, zero, bits, group, codebook, out_idx, out_val)
-    if cos is not None:
-        planes = rotate_planes(planes, cos, sin)
+    planes = key_planes(kq, scale, zero, bits, group, codebook, out_idx, out_val, cos, sin)
     return torch.cat([sink, torch.cat(planes, dim=-1).to(sink.dtype), res], dim=2)
 
 
@@ -172,9 +152,7 @@ def decode_attention(q: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor, n_
     The quantized keys and values are dequantized plane by plane (RoPE on the pairs) into fp32 and multiplied
     with one matmul each (measured faster under inductor than a fused multiply-sum, which recomputes the
     dequantization for each of the G query heads, or than one matmul per plane)."""
-    kp = key_planes(kq, k_scale, k_zero, k_bits, k_group, k_codebook, k_oi, k_ov)
-    if cos is not None:
-        kp = rotate_planes(kp, cos, sin)
+    kp = key_planes(kq, k_scale, k_zero, k_bits, k_group, k_codebook, k_oi, k_ov, cos, sin)
     S, Tq = n_sink, kq.shape[2]
     s_q = q @ torch.cat(kp, dim=-1).transpose(-1, -2)  # [B, H, G, Tq]
     s_fp = q @ fp_k.float().transpose(-1, -2)  # [B, H, G, S+R]
@@ -188,12 +166,12 @@ def decode_attention(q: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor, n_
 
 
 _FUNCTIONS = {"read_keys": read_keys, "read_values": read_values, "decode_attention": decode_attention}
-# the arguments whose size follows the token count, and the dimension that does: (argument index, dim)
+# the arguments whose size follows the token count, and the dimension that does
 _TOKEN_DIMS = {
-    "read_keys": [(1, 2), (2, 2), (3, 2), (4, 1), (5, 1), (6, 2), (10, 2), (11, 2)],
-    "read_values": [(1, 2), (2, 2), (3, 2), (4, 2), (8, 2), (9, 2)],
-    "decode_attention": [(1, 2), (2, 2), (4, 2), (5, 2), (6, 2), (7, 1), (8, 1), (9, 2), (10, 2), (11, 2), (12, 3),
-                         (20, 2), (21, 2), (22, 2), (23, 2)],
+    "read_keys": {"kq": 2, "scale": 2, "zero": 2, "cos": 1, "sin": 1, "res": 2, "out_idx": 2, "out_val": 2},
+    "read_values": {"vq": 2, "scale": 2, "zero": 2, "res": 2, "out_idx": 2, "out_val": 2},
+    "decode_attention": {"fp_k": 2, "fp_v": 2, "kq": 2, "k_scale": 2, "k_zero": 2, "cos": 1, "sin": 1, "vq": 2,
+                         "v_scale": 2, "v_zero": 2, "bias": 3, "k_oi": 2, "k_ov": 2, "v_oi": 2, "v_ov": 2},
 }
 _COMPILED: dict[tuple, object] = {}
 _COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
@@ -214,7 +192,8 @@ def compiled(name: str, variant: Hashable = None):
     fn = _COMPILED.get((name, variant))
     if fn is None:
         compiled_fn = torch.compile(_own_code(_FUNCTIONS[name]))
-        dims = _TOKEN_DIMS[name]
+        params = list(inspect.signature(_FUNCTIONS[name]).parameters)
+        dims = [(params.index(arg), dim) for arg, dim in _TOKEN_DIMS[name].items()]  # (position, dim)
 
         def fn(*args):
             for i, d in dims:

@@ -33,6 +33,7 @@ __all__ = [
     "UNPACKERS",
     "pack",
     "unpack",
+    "code_planes",
     "select_outliers",
     "scatter_outliers",
     "packed_size",
@@ -76,9 +77,19 @@ def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def _unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+def code_planes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """uint8 codes of packed [..., n*bits/8] as an even number of equal channel slices [..., w] (in channel order):
+    4 bits: (low nibbles, high nibbles) = channels [0, n/2) and [n/2, n); 2 bits: 4 slices; 3 bits: 8 slices (the
+    3-byte words); 8 bits: the two halves. `unpack` concatenates them; the reads in qcache/kernels.py use them as
+    they are."""
+    if bits == 8:
+        return _planes(packed, 2)
+    if bits == 3:
+        b0, b1, b2 = (p.to(torch.int32) for p in _planes(packed, 3))
+        word = b0 | (b1 << 8) | (b2 << 16)  # [..., m]
+        return [((word >> (3 * i)) & 7).to(torch.uint8) for i in range(8)]
     mask = (1 << bits) - 1
-    return torch.cat([(packed >> (bits * i)) & mask for i in range(8 // bits)], dim=-1)
+    return [(packed >> (bits * i)) & mask for i in range(8 // bits)]
 
 
 def pack_2bit_u8(codes: torch.Tensor) -> torch.Tensor:
@@ -88,7 +99,7 @@ def pack_2bit_u8(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_2bit_u8(packed: torch.Tensor) -> torch.Tensor:
     """[..., m] uint8 -> [..., 4m] uint8 codes."""
-    return _unpack_planes(packed, 2)
+    return torch.cat(code_planes(packed, 2), dim=-1)
 
 
 def pack_3bit_u8(codes: torch.Tensor) -> torch.Tensor:
@@ -103,9 +114,7 @@ def pack_3bit_u8(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_3bit_u8(packed: torch.Tensor) -> torch.Tensor:
     """[..., 3m] uint8 -> [..., 8m] uint8 codes."""
-    b0, b1, b2 = (p.to(torch.int32) for p in _planes(packed, 3))
-    word = b0 | (b1 << 8) | (b2 << 16)  # [..., m]
-    return torch.cat([((word >> (3 * i)) & 7).to(torch.uint8) for i in range(8)], dim=-1)
+    return torch.cat(code_planes(packed, 3), dim=-1)
 
 
 def pack_4bit_u8(codes: torch.Tensor) -> torch.Tensor:
@@ -115,7 +124,7 @@ def pack_4bit_u8(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_4bit_u8(packed: torch.Tensor) -> torch.Tensor:
     """[..., m] uint8 -> [..., 2m] uint8 codes."""
-    return torch.cat((packed & 0xF, packed >> 4), dim=-1)
+    return torch.cat(code_planes(packed, 4), dim=-1)
 
 
 def pack_8bit_u8(codes: torch.Tensor) -> torch.Tensor:
