@@ -1,4 +1,9 @@
-"""calibrate(): statistics -> fitted tensors -> CalibrationData (what `python -m qcache.calibrate` saves)."""
+"""calibrate(): statistics -> fitted tensors -> CalibrationData (what `python -m qcache.calibrate` saves).
+
+Besides the per-layer codebooks and static key ranges it records the K/V ranges of every layer and KV head
+(`kv_ranges`: largest |key| as attention reads it, i.e. after RoPE, and largest |value|), from which
+`python -m qcache.export vllm` derives fp8 KV-cache scales.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +15,51 @@ from tqdm.auto import tqdm
 from qcache.cache import model_fingerprint
 from qcache.calibfile import CalibrationData
 from qcache.config import QuantCacheConfig
+from qcache.rope import RopeHelper, has_rope
 
 from .collect import collect_statistics
 from .fit import CLIP_CANDIDATES, fit_codebook, fit_static_key_range, key_samples, value_samples
 
-__all__ = ["calibrate", "METHOD"]
+__all__ = ["calibrate", "kv_absmax", "METHOD"]
 
 log = logging.getLogger(__name__)
 METHOD = "pre-rope-minmax-groups+sensitivity-weighted-kmeans-codebooks+clipped-static-key-ranges"
 
 
+def kv_absmax(stats: dict[int, dict[str, torch.Tensor]], text_config, seq_len: int) -> dict[str, torch.Tensor]:
+    """Per layer and KV head, the largest |key| after RoPE and the largest |value| -> {"k_absmax", "v_absmax"},
+    each [num_hidden_layers, num_key_value_heads].
+
+    `stats` holds pre-RoPE keys [H, N, D] of sequences of `seq_len` tokens, one after another, at positions
+    0..seq_len-1 (what `collect_statistics` records for a batch of unpadded sequences); RoPE is redone in fp32
+    with the model's own rotary code, so these are the keys attention multiplied with queries."""
+    layers = int(text_config.num_hidden_layers)
+    missing = [i for i in range(layers) if i not in stats]
+    if missing:
+        raise ValueError(f"no K/V statistics for layers {missing}: every layer needs a range")
+    rope = RopeHelper(text_config) if has_rope(text_config) else None
+    k_max, v_max = [], []
+    for idx in range(layers):
+        keys, values = stats[idx]["keys"], stats[idx]["values"]  # [H, N, D]
+        H, N, D = keys.shape
+        if N % seq_len:
+            raise ValueError(f"layer {idx}: {N} recorded tokens are not whole sequences of {seq_len}")
+        if rope is not None:
+            # [H, n*L, D] -> [H, n, L, D] -> [n, H, L, D]: one row per sequence, positions 0..L-1 each
+            per_seq = keys.view(H, N // seq_len, seq_len, D).transpose(0, 1)
+            positions = torch.arange(seq_len).expand(per_seq.shape[0], -1)  # [n, L]
+            keys = rope.redo(per_seq, positions, idx)  # [n, H, L, D]
+            keys = keys.transpose(0, 1)  # [H, n, L, D]
+        k_max.append(keys.abs().reshape(H, -1).amax(dim=1))  # [H, n*L*D] -> [H]
+        v_max.append(values.abs().reshape(H, -1).amax(dim=1))
+    return {"k_absmax": torch.stack(k_max).float(), "v_absmax": torch.stack(v_max).float()}  # [L, H] each
+
+
 def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, settings: dict, seed: int = 0,
               progress: bool = True) -> CalibrationData:
     """Run `model` over `input_ids` [N, L] and fit, for every full-attention layer (and sliding layers when
-    `options.sliding_layers == "quantized"`): key/value codebooks for options.k_bits/v_bits and static key ranges."""
+    `options.sliding_layers == "quantized"`): key/value codebooks for options.k_bits/v_bits and static key ranges;
+    and for every layer the K (after RoPE) / V ranges (`kv_absmax`)."""
     torch.manual_seed(seed)
     text_config = model.config.get_text_config(decoder=True)
     fingerprint = model_fingerprint(text_config)
@@ -48,6 +84,7 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
             "k_static_zero": zero.float(),
             "k_static_scale": static_scale.float(),
         }
+    kv_ranges = kv_absmax(stats, text_config, int(input_ids.shape[1]))
     settings = {**settings, "method": METHOD, "seed": seed, "k_bits": options.k_bits, "v_bits": options.v_bits,
                 "clip_candidates": list(CLIP_CANDIDATES), "tokens": int(input_ids.numel())}
-    return CalibrationData(fingerprint, options.to_dict(), settings, layers)
+    return CalibrationData(fingerprint, options.to_dict(), settings, layers, kv_ranges=kv_ranges)

@@ -61,6 +61,9 @@ def test_round_trip(llama_file, llama):
     assert data.model["model_type"] == "llama" and data.model["head_dim"] == 32
     tensors = load_file(llama_file)
     for name, tensor in tensors.items():
+        if name in data.kv_ranges:  # file-level K/V ranges: [layers, kv heads]
+            assert tensor.shape == (2, 2) and torch.equal(data.kv_ranges[name], tensor)
+            continue
         idx, key = int(name.split(".")[1]), name.split(".")[2]
         assert torch.equal(data.layer(idx)[key], tensor)
 
