@@ -3,8 +3,14 @@
     python -m qcache.calibrate --model smollm2-135m --out smollm2.qcache.safetensors
     python -m qcache.calibrate --model gemma3-270m --bits 2 --out gemma3-2bit.qcache.safetensors
     python -m qcache.calibrate --model ./my-hf-dir --data my_text.jsonl --samples 32 --seq-len 1024 --out x.safetensors
+    python -m qcache.calibrate --model smollm2-135m --save-dir out/smollm2-qcache-4bit --quality eval.md
+    python -m qcache.calibrate --model smollm2-135m --push-to-hub org/smollm2-qcache-4bit
 
 Default data: dataset_build's English prose, the part evaluation never reads (qcache.data "calibration" split).
+`--save-dir` writes a folder laid out like a hub repo (the file + a README.md model card naming the model, the
+settings, the data and its sha256, and the measured quality given with `--quality`); `--push-to-hub` uploads
+that folder through huggingface_hub (refused under HF_HUB_OFFLINE=1). Load it with
+`QuantCache.from_calibration("<dir or org/name>")`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import argparse
 import hashlib
 import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +27,8 @@ import torch
 
 from .calibfile import save_calibration
 from .config import SUPPORTED_BITS, QuantCacheConfig
+
+__all__ = ["read_text", "sample_sequences", "calibrate_model", "save_calibration", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +83,14 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="short name (smollm2-135m, gemma3-270m) or HF directory")
-    p.add_argument("--out", required=True, help="output .safetensors path (written atomically)")
+    p.add_argument("--out", type=Path, help="output .safetensors path (written atomically)")
+    p.add_argument("--save-dir", type=Path,
+                   help="also write a folder laid out like a hub repo: the file + README.md model card")
+    p.add_argument("--push-to-hub", metavar="ORG/NAME",
+                   help="upload that folder to this hub repo (created if missing; needs the network and a token)")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    p.add_argument("--quality", type=Path,
+                   help="a markdown file of measured quality (e.g. eval.compare's .md) for the model card")
     p.add_argument("--bits", type=int, choices=SUPPORTED_BITS, help="bits for K and V (default 4)")
     p.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="bits for keys")
     p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits for values")
@@ -94,6 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --bits, or --k-bits/--v-bits, not both")
     if args.samples < 1 or args.seq_len < 8:
         p.error(f"--samples={args.samples} must be >= 1 and --seq-len={args.seq_len} >= 8")
+    if args.out is None and args.save_dir is None and args.push_to_hub is None:
+        p.error("give --out FILE, --save-dir DIR and/or --push-to-hub ORG/NAME")
+    if args.quality is not None and args.save_dir is None and args.push_to_hub is None:
+        p.error("--quality goes into the model card: give --save-dir or --push-to-hub too")
+    if args.quality is not None and not args.quality.is_file():
+        p.error(f"--quality {str(args.quality)!r} does not exist")
+    from . import hub
+
+    if args.push_to_hub is not None:
+        if not hub.looks_like_repo_id(args.push_to_hub):
+            p.error(f"--push-to-hub {args.push_to_hub!r} is not a hub repo id; allowed: ORG/NAME")
+        if hub.is_offline():  # before an hour of calibration, not after
+            p.error("--push-to-hub needs the network, but HF_HUB_OFFLINE=1; use --save-dir and push later")
 
     from .models import load_model
 
@@ -107,8 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
                            args.dtype)
     data.settings["seconds"] = round(time.perf_counter() - t0, 1)
-    path = save_calibration(args.out, data)
-    print(f"wrote {path}: {len(data.layers)} layers, {data.settings['tokens']} tokens, {data.settings['seconds']} s")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_calibration(args.out or Path(tmp) / hub.CALIBRATION_FILENAME, data)
+        print(f"{'wrote ' + str(path) if args.out else 'calibrated'}: {len(data.layers)} layers, "
+              f"{data.settings['tokens']} tokens, {data.settings['seconds']} s")
+        if args.save_dir is not None or args.push_to_hub is not None:
+            quality = args.quality.read_text() if args.quality is not None else None
+            folder = hub.save_folder(path, args.save_dir or Path(tmp) / "repo", quality, args.push_to_hub)
+            if args.save_dir is not None:
+                print(f"wrote {folder}: {hub.CALIBRATION_FILENAME} + {hub.CARD_FILENAME}")
+            if args.push_to_hub is not None:
+                print(f"pushed to {args.push_to_hub}: {hub.push_to_hub(folder, args.push_to_hub, args.private)}")
     return 0
 
 
