@@ -3,9 +3,13 @@
     lm-eval path              what the adapter does
     ------------------------  --------------------------------------------------------------------------------
     loglikelihood(_rolling)   `_model_call`: a fresh cache; the input fed `chunk_size` tokens at a time through it
-                              (use_cache=True), so every later chunk attends to what the cache stored (DESIGN §5)
+                              (use_cache=True), so every later chunk attends to what the cache stored
     generate_until            `_model_generate`: the prompt prefilled the same way into a fresh cache, then
                               `generate(cache=<that cache>)` decodes every new token from it
+
+Every forward is checked to have written its tokens into the cache the adapter built (`CacheNotWrittenError`
+otherwise): a model that ignores `cache=` would build a full-precision cache of its own and the row labelled with
+the quantized cache would measure the default one.
 
 `--model_args` choose the cache (everything else goes to `HFLM`):
 
@@ -34,6 +38,7 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("the lm-eval adapter needs lm-eval: pip install 'lm_eval[ruler]' (or 'qcache[eval]')") from err
 
+from qcache._compat import check_transformers, require_cache_written
 from qcache.caches import CACHE_KINDS, build_cache, cache_label
 from qcache.config import QuantCacheConfig
 from qcache.models import resolve_model
@@ -136,6 +141,7 @@ class QCacheLM(HFLM):
     """
 
     def __init__(self, pretrained="smollm2-135m", cache: str = "default", chunk_size: int = 256, **kwargs):
+        check_transformers()
         if isinstance(pretrained, str):
             pretrained = resolve_model(pretrained)
         if isinstance(kwargs.get("tokenizer"), str):
@@ -191,12 +197,14 @@ class QCacheLM(HFLM):
         if attn_mask is not None or labels is not None:
             raise NotImplementedError("QCacheLM supports decoder-only (causal) models")
         cache = self._new_cache()
+        held = cache.get_seq_length()
         logits = []
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
             for start, end in chunk_bounds(inps.shape[1], self.chunk_size):
                 piece = inps[:, start:end]  # [B, c]
                 logits.append(self.model(piece, cache=cache, use_cache=True).logits)  # [B, c, V]
+                held = require_cache_written(cache, held, end - start, f"log-likelihood, tokens {start}:{end}")
         return torch.cat(logits, dim=1)  # [B, L, V]
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
@@ -208,12 +216,17 @@ class QCacheLM(HFLM):
         # positions as generate() computes them: padding gets 0, real tokens count from 0
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, L]
         cache = self._new_cache()
+        held = cache.get_seq_length()
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
             for start, end in chunk_bounds(context.shape[1] - 1, self.chunk_size):
                 self.model(context[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
                            cache=cache, use_cache=True, logits_to_keep=1)
-        return super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
+                held = require_cache_written(cache, held, end - start, f"prefill, tokens {start}:{end}")
+        out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)  # [B, L']
+        # generate fed the last prompt token and every new token but the last one
+        require_cache_written(cache, held, out.shape[1] - 1 - held, "generate")
+        return out
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
