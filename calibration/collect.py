@@ -12,11 +12,17 @@ computes plain fp32 attention and keeps, per layer:
     positions [N]
 
 where N is the number of calibration tokens (all sequences concatenated).
+
+The recording attention is registered for the duration of `collect_statistics` only: on return (or error) the
+attention and mask registries hold what they held before, and the recorded chunks are released layer by layer as
+they are concatenated, so the peak is the recorded data plus one layer, not twice the data.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,12 +44,15 @@ class LayerStats:
     v_weight: list = field(default_factory=list)
 
     def stacked(self) -> dict[str, torch.Tensor]:
-        return {
-            "keys": torch.cat(self.keys, dim=1),  # [H, N, D]
-            "values": torch.cat(self.values, dim=1),  # [H, N, D]
-            "k_weight": torch.stack(self.k_weight).mean(0),  # [H, D]
-            "v_weight": torch.cat(self.v_weight, dim=1),  # [H, N]
-        }
+        """The chunks joined ([H, N, D] keys and values, [H, D] k_weight, [H, N] v_weight); the chunk lists are
+        emptied as each tensor is built, so a chunk lives no longer than its joined copy needs it."""
+        out = {}
+        for name, join in (("keys", lambda c: torch.cat(c, dim=1)), ("values", lambda c: torch.cat(c, dim=1)),
+                           ("k_weight", lambda c: torch.stack(c).mean(0)), ("v_weight", lambda c: torch.cat(c, dim=1))):
+            chunks = getattr(self, name)
+            out[name] = join(chunks)
+            chunks.clear()
+        return out
 
 
 def _pair_energy(q: torch.Tensor, rot_dim: int) -> torch.Tensor:
@@ -93,12 +102,40 @@ class _Recorder:
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+@contextmanager
+def _registered_attention(name: str, attention: Callable, mask: Callable) -> Iterator[None]:
+    """Register `attention` and its `mask` function under `name` in transformers' attention and mask interfaces
+    for the duration of the block; afterwards each registry holds what it held before (an entry of that name is
+    put back, a new one removed).
+
+    The registries are class-wide dicts (`GeneralInterface._global_mapping`) with `register` but no unregister:
+    restoring goes through that dict (the mask code reads it directly too)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    missing = object()
+    entries = ((AttentionInterface, attention), (AttentionMaskInterface, mask))
+    before = [registry._global_mapping.get(name, missing) for registry, _ in entries]
+    try:
+        for registry, fn in entries:
+            registry.register(name, fn)
+        yield
+    finally:
+        for (registry, _), old in zip(entries, before):
+            if old is missing:
+                registry._global_mapping.pop(name, None)
+            else:
+                registry._global_mapping[name] = old
+
+
 @torch.no_grad()
 def collect_statistics(model, input_ids: torch.Tensor, batch_size: int = 1, progress: bool = True
                        ) -> dict[int, dict[str, torch.Tensor]]:
-    """Run `model` over `input_ids` [N, L] with the recording attention; return per-layer statistics."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    """Run `model` over `input_ids` [N, L] with the recording attention; return per-layer statistics.
+
+    The recording attention is registered only while this runs, and the model's attention implementation is put
+    back afterwards (also on error)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     text_config = model.config.get_text_config(decoder=True)
     rope = RopeHelper(text_config) if getattr(text_config, "rope_parameters", None) is not None else None
@@ -108,14 +145,16 @@ def collect_statistics(model, input_ids: torch.Tensor, batch_size: int = 1, prog
         cos, _ = rope.cos_sin(torch.zeros(1, 1, dtype=torch.long), 0)
         rot_dim = cos.shape[-1]
     recorder = _Recorder(rope, rot_dim)
-    AttentionInterface.register(ATTN_NAME, recorder)
-    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
     device = next(model.parameters()).device
-    try:
-        for start in tqdm(range(0, input_ids.shape[0], batch_size), desc="calibration forward", disable=not progress):
-            model(input_ids[start:start + batch_size].to(device), use_cache=False)
-    finally:
-        model.set_attn_implementation(previous)
-    return {idx: stats.stacked() for idx, stats in sorted(recorder.layers.items())}
+    with _registered_attention(ATTN_NAME, recorder, ALL_MASK_ATTENTION_FUNCTIONS["eager"]):
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(ATTN_NAME)
+        try:
+            for start in tqdm(range(0, input_ids.shape[0], batch_size), desc="calibration forward",
+                              disable=not progress):
+                model(input_ids[start:start + batch_size].to(device), use_cache=False)
+        finally:
+            model.set_attn_implementation(previous)
+    recorded, recorder.layers = recorder.layers, {}
+    # one layer at a time: its chunks are dropped as soon as they are joined
+    return {idx: recorded.pop(idx).stacked() for idx in sorted(recorded)}
