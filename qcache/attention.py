@@ -159,7 +159,7 @@ def fp32_sdpa_attention_forward(
         if Tq == 1 and softcap is None and position_bias is None and dropout == 0.0:
             out = layer.decode_attention(query, attention_mask, scaling, (key, value))  # [B, Hq, 1, D] fp32
             return out.transpose(1, 2).contiguous().to(out_dtype), None
-        key, value = layer.read()  # anything else: the cache's keys/values, as update() returns them otherwise
+        key, value = layer.consume_lazy_states()  # anything else: the cache's keys/values, as update() returns otherwise
     Hkv = key.shape[1]
     if Hq % Hkv:
         raise ValueError(f"query has {Hq} heads, key/value {Hkv}: the query heads must be a multiple of the kv heads")

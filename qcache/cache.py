@@ -6,16 +6,18 @@ Layout of one layer (B = batch, H = kv heads, D = head_dim, G = k_group_size, to
     region     keys                                    values
     ========== ======================================= ============================================
     sinks      first `sink_tokens` tokens, as given (post-RoPE), full precision
-    quantized  pre-RoPE codes [B, H, Tq, D*kb/8] uint8  codes [B, H, Tq, D*vb/8] uint8
-               scale/zero per channel per block of G     scale/zero per token per `v_group_size`
-               tokens: [B, H, n_blocks, D]               channels: [B, H, Tq, D / v_group_size]
+    quantized  pre-RoPE codes, one scale/zero per       codes, one scale/zero per token per
+               channel per block of G tokens            `v_group_size` channels
+               (`KeyCodec`)                             (`ValueCodec`)
     residual   the block being filled + `recent_tokens`, as given (post-RoPE), full precision
     ========== ======================================= ============================================
 
-Positions are kept per token ([B, T] int32, -1 for left padding) to re-apply RoPE and to keep padding out of the
-key statistics. Tokens move from the residual to the quantized region G at a time, once, and are never
-re-quantized. `update()` returns what the cache holds: dequantized keys (RoPE re-applied) and values for the
-quantized region, the stored full-precision tokens elsewhere.
+Every tensor lives in one `PackedStore` (qcache/store.py), declared once by the codecs (qcache/codec.py) and the
+layer: preallocated, appended in place, dropped from the front, cropped and batch-indexed as a whole. Positions are
+one consecutive run per row (left padding allowed), kept as the position of each row's first token: a [B] tensor,
+not one int per token. Tokens move from the residual to the quantized region G at a time, once, and are never
+re-quantized; the quantized region only ever holds whole key blocks. `update()` returns what the cache holds:
+dequantized keys (RoPE re-applied) and values for the quantized region, the stored full-precision tokens elsewhere.
 """
 
 from __future__ import annotations
@@ -23,50 +25,55 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from .config import CLIP_RATIOS, QuantCacheConfig
-from .calibfile import CalibrationData, load_calibration
 from . import kernels
-from .quant import dequantize, pack, quantize, quantize_grouped, select_outliers, unpack
 from .attention import ATTN_IMPLEMENTATION as FUSED_ATTENTION  # the attention that can read codes itself
-from .rope import RopeHelper, apply_rope_into, modeling_module_of
+from .calibfile import CalibrationData, load_calibration
+from .codec import KeyCodec, ValueCodec
+from .config import CLIP_RATIOS, QuantCacheConfig
+from .kernels import Quantized
+from .rope import RopeHelper, modeling_module_of, rotate_half_width, compose
+from .store import PackedStore, Part
 
 __all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_CALIBRATION_TENSORS = ("k_codebook", "v_codebook", "k_static_zero", "k_static_scale")  # what a cache uses
 
 
 def _nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors if t is not None}.values())
 
 
 @dataclass
 class CacheMemory:
-    """Bytes a cache holds, counted from its tensors."""
+    """Bytes a cache holds, counted from its tensors; `total` is every byte reachable from the cache."""
 
     packed: int = 0  # bit-packed codes
-    scales: int = 0  # scales and zero-points
-    full_precision: int = 0  # sinks, the block being filled, the recent window, native sliding layers
-    positions: int = 0  # int32 positions per token
-    tokens: int = 0  # tokens held by the longest layer
+    scales: int = 0  # scales and zero-points (and static key ranges)
     outliers: int = 0  # dense-and-sparse outliers: values and their 1-byte offsets
+    full_precision: int = 0  # sinks, the block being filled, the recent window, native sliding layers
+    codebooks: int = 0  # calibrated levels
+    positions: int = 0  # bookkeeping: the first position of each row (and a sliding layer's window size)
+    rope: int = 0  # the rotary module's frequencies and the small RoPE offset tables
+    reserved: int = 0  # preallocated capacity not in use yet
+    tokens: int = 0  # tokens held by the longest layer
 
     @property
     def total(self) -> int:
-        return self.packed + self.scales + self.full_precision + self.positions + self.outliers
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "tokens")
 
     def __add__(self, other: "CacheMemory") -> "CacheMemory":
-        return CacheMemory(
-            self.packed + other.packed, self.scales + other.scales, self.full_precision + other.full_precision,
-            self.positions + other.positions, max(self.tokens, other.tokens), self.outliers + other.outliers,
-        )
+        return CacheMemory(**{f.name: (max if f.name == "tokens" else int.__add__)(getattr(self, f.name),
+                                                                                 getattr(other, f.name))
+                              for f in fields(self)})
 
 
 def model_fingerprint(text_config) -> dict:
@@ -93,32 +100,36 @@ def _positions_from_kwargs(kwargs: dict) -> torch.Tensor | None:
     return kwargs.get("position_ids")
 
 
-def _mark_padding(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] positions -> int32 positions with left padding set to -1.
-
-    Real tokens form a run of consecutive positions that ends the chunk; a token whose position in that run would
-    be negative is padding (transformers gives pads position 0 or 1)."""
-    T = position_ids.shape[-1]
-    expected = position_ids[:, -1:] - torch.arange(T - 1, -1, -1, device=position_ids.device)  # [B, T]
-    return torch.where(expected < 0, -1, position_ids).to(torch.int32)
-
-
-def _extend_run(start: int | None, held: int, new: torch.Tensor) -> int | None:
-    """The first position of the run `q_pos` forms once positions `new` [B, n] follow `held` tokens starting at
-    `start`; None when the rows differ or the run breaks (left padding, beams at different positions)."""
-    if new.shape[1] == 0:
-        return start
-    if held and start is None:
-        return None
-    first = int(new[0, 0])
-    run = first + torch.arange(new.shape[1], device=new.device, dtype=new.dtype)
-    if not bool((new == run).all()) or (held and first != start + held):
-        return None
-    return first if not held else start
+def _consecutive_positions(given: torch.Tensor, first: torch.Tensor, seen: int) -> torch.Tensor:
+    """The positions [B, T] of T new tokens in rows whose stored tokens are positions first[b], first[b] + 1, ...
+    (`seen` of them so far), checked against the `given` position_ids [B, T]: from a row's first real token on the
+    given positions must continue that run; before it (left padding) they must be <= 1 (transformers gives pads 0 or
+    1). Anything else (right padding, packed sequences whose positions restart, a gap) raises."""
+    T = given.shape[-1]
+    expected = first[:, None] + seen + torch.arange(T, device=given.device)  # [B, T]
+    real = expected >= 0
+    ok = torch.where(real, given == expected, given <= 1)
+    if not bool(ok.all()):
+        row = int((~ok).any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"position_ids of row {row} are {given[row].tolist()[:16]}{'...' if T > 16 else ''} where QuantCache "
+            f"expects one consecutive run per row continuing its cache ({expected[row].clamp(min=-1).tolist()[:16]}"
+            f"{'...' if T > 16 else ''}, -1 = left padding): right padding, packed sequences (positions that restart) "
+            "and gaps are not supported; pad on the left (tokenizer.padding_side='left') and use one cache per sequence"
+        )
+    return expected
 
 
 class QuantLayer(CacheLayerMixin):
-    """One layer of `QuantCache` (see the module docstring for the layout)."""
+    """One layer of `QuantCache` (see the module docstring for the layout).
+
+    Args:
+        cfg: the cache options.
+        layer_idx: index of the layer in the model.
+        rope: the model's RoPE (None: keys stored as attention produced them, `rope="post"`).
+        sliding_window: the window of a sliding-attention layer quantized like the others (None: full attention).
+        calibration: this layer's calibrated tensors (`k_codebook`, `v_codebook`, `k_static_zero/_scale`) or None.
+    """
 
     is_compileable = False
     is_croppable = True
@@ -128,25 +139,33 @@ class QuantLayer(CacheLayerMixin):
         super().__init__()
         self.cfg = cfg
         calibration = calibration or {}
-        self.k_codebook = calibration.get("k_codebook") if cfg.codebooks else None
-        self.v_codebook = calibration.get("v_codebook") if cfg.codebooks else None
-        for name, cb, bits in (("k_codebook", self.k_codebook, cfg.k_bits), ("v_codebook", self.v_codebook, cfg.v_bits)):
+        k_consts = {"codebook": calibration.get("k_codebook") if cfg.codebooks else None}
+        v_consts = {"codebook": calibration.get("v_codebook") if cfg.codebooks else None}
+        for name, cb, bits in (("k_codebook", k_consts["codebook"], cfg.k_bits),
+                               ("v_codebook", v_consts["codebook"], cfg.v_bits)):
             if cb is not None and cb.numel() != 2**bits:
                 raise ValueError(f"layer {layer_idx}: calibrated {name} has {cb.numel()} levels but {bits} bits "
                                  f"need {2**bits}; calibrate for these bits or pass codebooks=False")
-        self.k_static = None
         if cfg.static_keys:
             if "k_static_zero" not in calibration:
                 raise ValueError(f"static_keys=True needs a calibration file with static key ranges (layer "
                                  f"{layer_idx} has none); allowed without one: static_keys=False")
-            self.k_static = (calibration["k_static_zero"], calibration["k_static_scale"])  # [H, D] each
+            k_consts["static_zero"], k_consts["static_scale"] = (calibration["k_static_zero"],
+                                                                 calibration["k_static_scale"])  # [H, D] each
+        self.consts = {"k": k_consts, "v": v_consts}
+        scale_dtype = _SCALE_DTYPES[cfg.scale_dtype]
+        clip = CLIP_RATIOS if cfg.clip_search else (1.0,)
+        self.k_codec = KeyCodec(bits=cfg.k_bits, group=1 if cfg.static_keys else cfg.k_group_size,
+                                scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
+                                codebook=k_consts["codebook"] is not None, static=cfg.static_keys)
+        self._v_codec_args = dict(bits=cfg.v_bits, scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
+                                  codebook=v_consts["codebook"] is not None)
+        self.v_codec: ValueCodec | None = None  # its group depends on head_dim: built at the first update
         self.layer_idx = layer_idx
         self.rope = rope
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
-        self.scale_dtype = _SCALE_DTYPES[cfg.scale_dtype]
-        self.clip_ratios = CLIP_RATIOS if cfg.clip_search else (1.0,)
         # set by QuantCache each forward: the attention is qcache_fp32, which can attend from the codes directly
         self.fused_attention = False
         self._clear()
@@ -155,70 +174,67 @@ class QuantLayer(CacheLayerMixin):
     def _clear(self) -> None:
         self.is_initialized = False
         self.keys = self.values = None  # unused: kept for transformers code that peeks at them
-        self.sink_k = self.sink_v = self.sink_pos = None
-        self.kq = self.k_scale = self.k_zero = None
-        self.vq = self.v_scale = self.v_zero = None
-        self.q_pos = None
-        # outliers (cfg.outliers > 0): offsets (uint8) and values (cache dtype) per key channel per block
-        # [B, H, n_blocks, m, D] and per value group per token [B, H, Tq, D / v_group_size, m]
-        self.k_oi = self.k_ov = self.v_oi = self.v_ov = None
-        self.block_lens: list[int] = []
-        # read fast paths, kept up to date where the quantized region changes (not recomputed per step):
-        self._uniform_blocks = True  # every key block holds k_group_size tokens
-        self._q_start: int | None = None  # q_pos is start, start+1, ... in every row (else None)
-        self.res_k = self.res_v = self.res_pos = None
+        self.store: PackedStore | None = None
+        self.first: torch.Tensor | None = None  # [B] int64: position of each row's first stored token
+        self.dropped = 0  # quantized tokens evicted from the front (sliding layers)
         self.cumulative_length = 0  # tokens ever seen (what sliding masks count)
+        self._pending_fused = False  # update handed attention the codes: decode_attention must consume them
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
-        self.v_group = self.cfg.value_group_size(D)
         self.dtype, self.device = key_states.dtype, key_states.device
-        dev = self.device
-
-        def empty(*shape, dtype=self.dtype):
-            return torch.empty(*shape, dtype=dtype, device=dev)
-
-        self.sink_k, self.sink_v = empty(B, H, 0, D), empty(B, H, 0, D)
-        self.sink_pos = empty(B, 0, dtype=torch.int32)
-        self.kq = empty(B, H, 0, D * self.cfg.k_bits // 8, dtype=torch.uint8)
-        self.vq = empty(B, H, 0, D * self.cfg.v_bits // 8, dtype=torch.uint8)
-        self.k_scale = empty(B, H, 0, D, dtype=self.scale_dtype)
-        self.k_zero = empty(B, H, 0, D, dtype=self.scale_dtype)
-        ng = D // self.v_group
-        self.v_scale = empty(B, H, 0, ng, dtype=self.scale_dtype)
-        self.v_zero = empty(B, H, 0, ng, dtype=self.scale_dtype)
-        self.q_pos = empty(B, 0, dtype=torch.int32)
-        m = self.cfg.outliers
-        if m:
-            self.k_oi, self.k_ov = empty(B, H, 0, m, D, dtype=torch.uint8), empty(B, H, 0, m, D)
-            self.v_oi, self.v_ov = empty(B, H, 0, ng, m, dtype=torch.uint8), empty(B, H, 0, ng, m)
-        self.res_k, self.res_v = empty(B, H, 0, D), empty(B, H, 0, D)
-        self.res_pos = empty(B, 0, dtype=torch.int32)
+        self.v_codec = ValueCodec(group=self.cfg.value_group_size(D), **self._v_codec_args)
+        full = [Part(name, axis, (D,), self.dtype, "full_precision")
+                for name, axis in (("sink_k", "sink"), ("sink_v", "sink"), ("res_k", "residual"),
+                                   ("res_v", "residual"))]
+        G = self.k_codec.group
+        self.store = PackedStore(self.k_codec.parts(D, self.dtype) + self.v_codec.parts(D, self.dtype) + full, B, H,
+                                 self.device, min_grow={"token": max(G, 16), "block": 1,
+                                                        "sink": max(self.sink_tokens, 1), "residual": G})
+        for consts in self.consts.values():
+            for name, t in consts.items():
+                if t is not None and t.device != self.device:
+                    consts[name] = t.to(self.device)
         self.is_initialized = True
-
-    def _batch_tensors(self) -> list[str]:
-        names = ["sink_k", "sink_v", "sink_pos", "kq", "k_scale", "k_zero", "vq", "v_scale", "v_zero", "q_pos",
-                 "res_k", "res_v", "res_pos"]
-        return names + (["k_oi", "k_ov", "v_oi", "v_ov"] if self.cfg.outliers else [])
 
     @property
     def quantized_length(self) -> int:
-        return 0 if not self.is_initialized else self.kq.shape[2]
+        return 0 if not self.is_initialized else self.store.length("token")
 
     def stored_length(self) -> int:
         if not self.is_initialized:
             return 0
-        return self.sink_k.shape[2] + self.kq.shape[2] + self.res_k.shape[2]
+        return sum(self.store.length(a) for a in ("sink", "token", "residual"))
+
+    def _quantized(self) -> Quantized:
+        """The quantized region as the kernels read it (views of the store, RoPE factors of its positions)."""
+        s = self.store
+        rope = None
+        if self.rope is not None:
+            q0 = self.first + s.length("sink") + self.dropped  # [B]: position of the first quantized token
+            rope = self.rope.factors(q0, s.length("token"), self.layer_idx, self.cfg.k_group_size)
+        views = s.views()
+        k = {n: views[n] for n in s.parts if n.startswith(self.k_codec.prefix)}
+        v = {n: views[n] for n in s.parts if n.startswith(self.v_codec.prefix)}
+        return Quantized(k, v, self.consts["k"], self.consts["v"], rope)
 
     # -- update ----------------------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new states and return all keys/values as the cache now holds them ([B, H, T_total, D])."""
+        if self._pending_fused:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the previous decode step handed attention the quantized region by reference "
+                "(kernel='compiled' with qcache_fp32 attention) but attention never read it, so that step attended "
+                "over the full-precision tokens only. Something between Cache.update and the attention function "
+                "dropped the link (a hook or wrapper that copies key/value states?); use kernel='eager' or a stock "
+                "attention implementation with it"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[0] != self.sink_k.shape[0] or key_states.shape[-1] != self.sink_k.shape[-1]:
+        elif key_states.shape[0] != self.store.batch or key_states.shape[-1] != self.store.parts["sink_k"].shape[0]:
             raise ValueError(
-                f"layer {self.layer_idx} holds batch {self.sink_k.shape[0]} x head_dim {self.sink_k.shape[-1]} but "
-                f"got key_states of shape {tuple(key_states.shape)}; call reset() before reusing the cache"
+                f"layer {self.layer_idx} holds batch {self.store.batch} x head_dim {self.store.parts['sink_k'].shape[0]}"
+                f" but got key_states of shape {tuple(key_states.shape)}; call reset() before reusing the cache"
             )
         B, _, T, _ = key_states.shape  # key_states: [B, H, T, D]
         position_ids = _positions_from_kwargs(kwargs)
@@ -228,23 +244,23 @@ class QuantLayer(CacheLayerMixin):
                     "QuantCache(rope='pre') needs the position_ids that attention passes to Cache.update, and got "
                     "none; pass position_ids to the model or use rope='post'"
                 )
-            position_ids = torch.arange(self.cumulative_length, self.cumulative_length + T, device=self.device)
+            position_ids = torch.arange(self.cumulative_length, self.cumulative_length + T, device=self.device)[None]
         if position_ids.dim() != 2:
             raise ValueError(f"position_ids must be [batch, seq]; got shape {tuple(position_ids.shape)}")
-        pos = _mark_padding(position_ids.to(self.device).expand(B, T))  # [B, T] int32
+        given = position_ids.to(self.device).expand(B, T)
+        if self.first is None:  # each row's run ends at its last token
+            self.first = (given[:, -1] - (T - 1)).long()
+        _consecutive_positions(given, self.first, self.cumulative_length)
         kv_before = self.get_mask_sizes(T)[0] - T if self.is_sliding else None
         self.cumulative_length += T
 
         key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
-        n_sink = min(self.sink_tokens - self.sink_k.shape[2], T) if self.kq.shape[2] + self.res_k.shape[2] == 0 else 0
-        n_sink = max(n_sink, 0)
-        if n_sink:
-            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=2)
-            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=2)
-            self.sink_pos = torch.cat([self.sink_pos, pos[:, :n_sink]], dim=1)
-        self.res_k = torch.cat([self.res_k, key_states[:, :, n_sink:]], dim=2)
-        self.res_v = torch.cat([self.res_v, value_states[:, :, n_sink:]], dim=2)
-        self.res_pos = torch.cat([self.res_pos, pos[:, n_sink:]], dim=1)
+        s = self.store
+        n_sink = 0
+        if s.length("token") + s.length("residual") == 0:
+            n_sink = max(min(self.sink_tokens - s.length("sink"), T), 0)
+        s.append("sink", sink_k=key_states[:, :, :n_sink], sink_v=value_states[:, :, :n_sink])
+        s.append("residual", res_k=key_states[:, :, n_sink:], res_v=value_states[:, :, n_sink:])
         self._flush()
 
         if T == 1 and self.fused_attention and self._decode_fusable():
@@ -257,150 +273,97 @@ class QuantLayer(CacheLayerMixin):
 
     def _flush(self) -> None:
         """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` in full precision."""
-        G = 1 if self.k_static is not None else self.cfg.k_group_size
-        n = (self.res_k.shape[2] - self.cfg.recent_tokens) // G * G
+        s = self.store
+        G = self.k_codec.group
+        n = (s.length("residual") - self.cfg.recent_tokens) // G * G
         if n <= 0:
             return
-        k, v, p = self.res_k[:, :, :n], self.res_v[:, :, :n], self.res_pos[:, :n]  # [B, H, n, D], [B, n]
+        k, v = s.view("res_k")[:, :, :n], s.view("res_v")[:, :, :n]  # [B, H, n, D]
+        # positions of these tokens: they follow the sinks and the quantized region of their row
+        start = s.length("sink") + self.dropped + s.length("token")
+        p = self.first[:, None] + start + torch.arange(n, device=self.device)  # [B, n]
         valid = (p >= 0)[:, None, :, None]  # [B, 1, n, 1]: padding stays out of the statistics
-        if self.rope is not None:
-            k = self.rope.undo(k, p, self.layer_idx)  # fp32, pre-RoPE
-        v_keep = None
-        if self.cfg.outliers:  # dense-and-sparse: the farthest values of each group are kept, out of its range
-            m = self.cfg.outliers
-            k_oi, k_ov, valid = select_outliers(k, m, G, dim=2, mask=valid)
-            v_oi, v_ov, v_keep = select_outliers(v, m, self.v_group, dim=3)
-            self.k_oi, self.k_ov = torch.cat([self.k_oi, k_oi], 2), torch.cat([self.k_ov, k_ov.to(self.dtype)], 2)
-            self.v_oi, self.v_ov = torch.cat([self.v_oi, v_oi], 2), torch.cat([self.v_ov, v_ov.to(self.dtype)], 2)
-        if self.k_static is not None:
-            zero, scale = self._static_key_range(k.device)
-            k_codes = quantize(k, scale, zero, self.cfg.k_bits, self.k_codebook)
-            k_scale = k_zero = self.k_scale[:, :, :0]  # no per-block key scales
-        else:
-            k_codes, k_scale, k_zero = quantize_grouped(k, self.cfg.k_bits, G, dim=2, mask=valid,
-                                                        scale_dtype=self.scale_dtype, codebook=self.k_codebook,
-                                                        clip_ratios=self.clip_ratios)
-        v_codes, v_scale, v_zero = quantize_grouped(v, self.cfg.v_bits, self.v_group, dim=3, mask=v_keep,
-                                                    scale_dtype=self.scale_dtype, codebook=self.v_codebook,
-                                                    clip_ratios=self.clip_ratios)
-        self.kq = torch.cat([self.kq, pack(k_codes, self.cfg.k_bits)], dim=2)
-        self.vq = torch.cat([self.vq, pack(v_codes, self.cfg.v_bits)], dim=2)
-        self.k_scale = torch.cat([self.k_scale, k_scale], dim=2)
-        self.k_zero = torch.cat([self.k_zero, k_zero], dim=2)
-        self.v_scale = torch.cat([self.v_scale, v_scale], dim=2)
-        self.v_zero = torch.cat([self.v_zero, v_zero], dim=2)
-        self._q_start = _extend_run(self._q_start, self.q_pos.shape[1], p)
-        self.q_pos = torch.cat([self.q_pos, p], dim=1)
-        if self.k_static is None:
-            self.block_lens.extend([G] * (n // G))
-        self.res_k, self.res_v, self.res_pos = (
-            self.res_k[:, :, n:].clone(), self.res_v[:, :, n:].clone(), self.res_pos[:, n:].clone())
+        k = self.rope.undo(k, p, self.layer_idx) if self.rope is not None else k.float()  # fp32, pre-RoPE
+        parts = self.k_codec.encode(k, self.consts["k"], valid) | self.v_codec.encode(v.float(), self.consts["v"])
+        for axis in ("token", "block"):
+            s.append(axis, **{name: t for name, t in parts.items() if s.parts[name].axis == axis})
+        s.drop_front("residual", n)
 
     def _evict(self) -> None:
-        """Sliding layers: drop whole quantized blocks that no future query can see."""
+        """Sliding layers: drop whole quantized blocks (tokens for static keys) that no future query can see."""
+        s = self.store
         keep = self.sliding_window - 1
-        if self.k_static is not None:  # token-granular: drop the oldest quantized tokens
-            drop = min(max(self.stored_length() - keep, 0), self.kq.shape[2])
-            for name in self._per_token_names():
-                setattr(self, name, getattr(self, name)[:, :, drop:])
-            self.q_pos = self.q_pos[:, drop:]
-            self._q_start = None if self._q_start is None else self._q_start + drop
-        while self.block_lens and self.stored_length() - self.block_lens[0] >= keep:
-            n = self.block_lens.pop(0)
-            for name in self._per_token_names():
-                setattr(self, name, getattr(self, name)[:, :, n:])
-            for name in self._per_block_names():
-                setattr(self, name, getattr(self, name)[:, :, 1:])
-            self.q_pos = self.q_pos[:, n:]
-            self._q_start = None if self._q_start is None else self._q_start + n
-            self._blocks_changed()
-        surplus = self.stored_length() - keep
-        if self.kq.shape[2] == 0 and surplus > 0:  # only full-precision tokens left: trim them exactly
-            self.res_k, self.res_v = self.res_k[:, :, surplus:], self.res_v[:, :, surplus:]
-            self.res_pos = self.res_pos[:, surplus:]
-
-    def _blocks_changed(self) -> None:
-        """block_lens changed other than by appending full blocks: recompute the read fast-path flag."""
-        self._uniform_blocks = all(b == self.cfg.k_group_size for b in self.block_lens)
-
-    def _per_token_names(self) -> list[str]:
-        """Tensors of the quantized region with one entry per token on dim 2."""
-        return ["kq", "vq", "v_scale", "v_zero"] + (["v_oi", "v_ov"] if self.cfg.outliers else [])
-
-    def _per_block_names(self) -> list[str]:
-        """Tensors with one entry per key block on dim 2."""
-        return ["k_scale", "k_zero"] + (["k_oi", "k_ov"] if self.cfg.outliers else [])
-
-    def _static_key_range(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Calibrated static key zero/scale, [H, D] -> [1, H, 1, D] on `device`."""
-        return tuple(t.to(device)[None, :, None, :] for t in self.k_static)
+        G = self.k_codec.group
+        drop = min(max(self.stored_length() - keep, 0), s.length("token")) // G * G
+        if drop:
+            s.drop_front("token", drop)
+            if s.names("block"):
+                s.drop_front("block", drop // G)
+            self.dropped += drop
+        surplus = min(self.stored_length() - keep, s.length("residual"))
+        if s.length("token") == 0 and surplus > 0:  # only full-precision tokens left: trim them exactly
+            s.drop_front("residual", surplus)
+            self.dropped += surplus
 
     # -- reading ---------------------------------------------------------------------------------------------
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (RoPE applied) and values as the cache holds them, in the cache dtype: [sinks | dequantized |
-        residual], [B, H, T_stored, D]."""
-        S, Tq, R = self.sink_k.shape[2], self.kq.shape[2], self.res_k.shape[2]
-        if Tq == 0:
-            return torch.cat([self.sink_k, self.res_k], dim=2), torch.cat([self.sink_v, self.res_v], dim=2)
-        if self.cfg.kernel == "compiled" and self._fused_layout():
-            cos, sin = self._quantized_cos_sin()
-            keys = kernels.compiled("read_keys", self._kernel_variant)(
-                self.sink_k, self.kq, self.k_scale, self.k_zero, cos, sin, self.res_k, self.cfg.k_bits,
-                self.cfg.k_group_size, self.k_codebook, self.k_oi, self.k_ov)
-            values = kernels.compiled("read_values", self._kernel_variant)(
-                self.sink_v, self.vq, self.v_scale, self.v_zero, self.res_v, self.cfg.v_bits, self.v_group,
-                self.v_codebook, self.v_oi, self.v_ov)
-            return keys, values
-        B, H, _, D = self.res_k.shape
-        keys = self.res_k.new_empty(B, H, S + Tq + R, D)
-        values = self.res_v.new_empty(B, H, S + Tq + R, D)
-        keys[:, :, :S], keys[:, :, S + Tq:] = self.sink_k, self.res_k
-        values[:, :, :S], values[:, :, S + Tq:] = self.sink_v, self.res_v
-        self._dequantize_keys_into(keys[:, :, S:S + Tq])
-        self._dequantize_values_into(values[:, :, S:S + Tq])
-        return keys, values
-
     @property
     def _kernel_variant(self) -> tuple:
         """What makes the compiled functions' code differ between caches (each gets its own compile budget)."""
-        return (self.cfg.k_bits, self.cfg.v_bits, self.cfg.k_group_size, self.v_group, self.cfg.outliers,
-                self.k_codebook is not None, self.v_codebook is not None, self.rope is not None, self.dtype)
+        return (self.k_codec, self.v_codec, self.rope is not None, self.dtype)
 
-    def _quantized_cos_sin(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """fp32 cos/sin of the quantized region's positions ([1, Tq, R], a table view, when they are one run in
-        every row; else [B, Tq, R]); (None, None) without RoPE."""
-        if self.rope is None:
-            return None, None
-        if self._q_start is not None:
-            return self.rope.cos_sin_range(self._q_start, self.kq.shape[2], self.layer_idx, self.kq.device)
-        return self.rope.cos_sin(self.q_pos, self.layer_idx)
-
-    def _fused_layout(self) -> bool:
-        """The layout `kernels` handles: full key blocks with per-block scales, one position run for all rows."""
-        return self.k_static is None and self._uniform_blocks and (self.rope is None or self._q_start is not None)
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (RoPE applied) and values as the cache holds them, in the cache dtype: [sinks | dequantized |
+        residual], [B, H, T_stored, D]."""
+        s = self.store
+        sink_k, sink_v, res_k, res_v = (s.view(n) for n in ("sink_k", "sink_v", "res_k", "res_v"))
+        if s.length("token") == 0:
+            return torch.cat([sink_k, res_k], dim=2), torch.cat([sink_v, res_v], dim=2)
+        q = self._quantized()
+        if self.cfg.kernel == "compiled":
+            keys = kernels.compiled("read_keys", self._kernel_variant)(sink_k, q, res_k, self.k_codec)
+            values = kernels.compiled("read_values", self._kernel_variant)(sink_v, q, res_v, self.v_codec)
+            return keys, values
+        S, Tq, R = sink_k.shape[2], s.length("token"), res_k.shape[2]
+        B, H, _, D = res_k.shape
+        keys = res_k.new_empty(B, H, S + Tq + R, D)
+        values = res_v.new_empty(B, H, S + Tq + R, D)
+        keys[:, :, :S], keys[:, :, S + Tq:] = sink_k, res_k
+        values[:, :, :S], values[:, :, S + Tq:] = sink_v, res_v
+        _write_planes(keys[:, :, S:S + Tq], kernels.key_planes(q, self.k_codec))
+        _write_planes(values[:, :, S:S + Tq], self.v_codec.planes(q.v, q.v_consts))
+        return keys, values
 
     # -- fused decode attention (kernel="compiled" with the qcache_fp32 attention) --------------------------------
     def _decode_fusable(self) -> bool:
-        return (self.cfg.kernel == "compiled" and not self.is_sliding and self.kq.shape[2] > 0
-                and self._fused_layout())
+        return self.cfg.kernel == "compiled" and not self.is_sliding and self.store.length("token") > 0
 
     def _lazy_states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What `update` returns when attention will read the codes itself: the full-precision tokens
         [sinks | residual], tagged with this layer (`_qcache_layer`). Only qcache_fp32 attention receives them; it
-        attends over sinks, quantized region and residual with `decode_attention`, or calls `read()`."""
-        keys = torch.cat([self.sink_k, self.res_k], dim=2)
-        values = torch.cat([self.sink_v, self.res_v], dim=2)
+        attends over sinks, quantized region and residual with `decode_attention`, or calls `read()`. If the tag is
+        lost on the way, the next update of this layer raises (the step attended over less than the cache holds)."""
+        s = self.store
+        keys = torch.cat([s.view("sink_k"), s.view("res_k")], dim=2)
+        values = torch.cat([s.view("sink_v"), s.view("res_v")], dim=2)
         keys._qcache_layer = values._qcache_layer = self
+        self._pending_fused = True
         return keys, values
+
+    def consume_lazy_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full keys/values for an attention that got tagged states but does not attend from the codes."""
+        self._pending_fused = False
+        return self.read()
 
     def decode_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
                          fp_states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """fp32 attention of one query token [B, Hq, 1, D] over everything held, straight from the codes
         (`kernels.decode_attention`); attention_mask: None, bool (True = attend) or additive, [B, 1, 1, T_held];
         fp_states: what `update` returned ([sinks | residual] keys and values). Returns [B, Hq, 1, D] fp32."""
+        self._pending_fused = False
+        s = self.store
         B, Hq, _, D = query.shape
-        H = self.kq.shape[1]
-        S, Tq, R = self.sink_k.shape[2], self.kq.shape[2], self.res_k.shape[2]
+        H = s.heads
+        S, Tq, R = s.length("sink"), s.length("token"), s.length("residual")
         bias = None
         if attention_mask is not None:
             if attention_mask.shape[-1] != S + Tq + R or attention_mask.shape[1] != 1:
@@ -415,69 +378,11 @@ class QuantLayer(CacheLayerMixin):
         if fp_k.shape[2] != S + R:
             raise ValueError(f"layer {self.layer_idx}: got {fp_k.shape[2]} full-precision tokens, the layer holds "
                              f"{S + R}: pass what update() returned for this step")
-        cos, sin = self._quantized_cos_sin()
         q = query.float().reshape(B, H, Hq // H, D)  # query head h*G+g reads kv head h (as repeat_kv)
         out = kernels.compiled("decode_attention", self._kernel_variant)(
-            q, fp_k, fp_v, S, self.kq, self.k_scale, self.k_zero, cos, sin, self.vq, self.v_scale, self.v_zero, bias,
-            D**-0.5 if scaling is None else scaling, self.cfg.k_bits, self.cfg.k_group_size, self.cfg.v_bits,
-            self.v_group, self.k_codebook, self.v_codebook, self.k_oi, self.k_ov, self.v_oi, self.v_ov)
+            q, fp_k, fp_v, bias, self._quantized(), S, D**-0.5 if scaling is None else scaling, self.k_codec,
+            self.v_codec)
         return out.reshape(B, Hq, 1, D)
-
-    def _per_token(self, per_block: torch.Tensor) -> torch.Tensor:
-        """[B, H, n_blocks, D] -> [B, H, Tq, D] following block_lens."""
-        lens = torch.tensor(self.block_lens, device=per_block.device)
-        return per_block.repeat_interleave(lens, dim=2)
-
-    def _dequantize_keys_into(self, out: torch.Tensor) -> None:
-        """Write the quantized region's keys (RoPE re-applied, in the cache dtype) into `out` [B, H, Tq, D]."""
-        cos, sin = self._quantized_cos_sin()
-        if self._uniform_blocks and self.k_static is None:  # plane by plane (see qcache/kernels.py)
-            _write_planes(out, kernels.key_planes(self.kq, self.k_scale, self.k_zero, self.cfg.k_bits,
-                                                  self.cfg.k_group_size, self.k_codebook, self.k_oi, self.k_ov,
-                                                  cos, sin))
-            return
-        codes = unpack(self.kq, self.cfg.k_bits)  # [B, H, Tq, D]
-        if self.k_static is not None:
-            zero, scale = self._static_key_range(codes.device)
-            k = dequantize(codes, scale, zero, codebook=self.k_codebook)
-        else:  # a crop left a partial block
-            k = dequantize(codes, self._per_token(self.k_scale), self._per_token(self.k_zero),
-                           codebook=self.k_codebook)
-            if self.cfg.outliers:
-                k = self._scatter_key_outliers_partial(k)
-        if cos is None:
-            out.copy_(k)
-        else:
-            apply_rope_into(out, k, cos, sin)
-
-    def _scatter_key_outliers_partial(self, k: torch.Tensor) -> torch.Tensor:
-        """Key outliers into per-token keys [B, H, Tq, D] when blocks differ in length (after a crop): outliers
-        whose token was cropped go to a scratch row that is dropped."""
-        B, H, Tq, D = k.shape
-        lens = torch.tensor(self.block_lens, device=k.device)
-        starts = (lens.cumsum(0) - lens)[None, None, :, None, None]  # [1, 1, nb, 1, 1]
-        offset = self.k_oi.long()  # [B, H, nb, m, D]
-        token = torch.where(offset < lens[None, None, :, None, None], starts + offset, Tq)
-        scratch = torch.cat([k, k.new_zeros(B, H, 1, D)], dim=2)
-        scratch.scatter_(2, token.flatten(2, 3), self.k_ov.flatten(2, 3).to(k.dtype))
-        return scratch[:, :, :Tq]
-
-    def _dequantize_values_into(self, out: torch.Tensor) -> None:
-        _write_planes(out, kernels.value_planes(self.vq, self.v_scale, self.v_zero, self.cfg.v_bits, self.v_group,
-                                                self.v_codebook, self.v_oi, self.v_ov))
-
-    def _dequantized_keys(self) -> torch.Tensor:
-        """The quantized region's keys alone, [B, H, Tq, D] in the cache dtype."""
-        out = self.res_k.new_empty(*self.kq.shape[:3], self.res_k.shape[-1])
-        if out.shape[2]:
-            self._dequantize_keys_into(out)
-        return out
-
-    def _dequantized_values(self) -> torch.Tensor:
-        out = self.res_v.new_empty(*self.vq.shape[:3], self.res_v.shape[-1])
-        if out.shape[2]:
-            self._dequantize_values_into(out)
-        return out
 
     # -- transformers' layer contract ------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -500,8 +405,9 @@ class QuantLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
-        for name in self._batch_tensors():  # every one is a tensor once initialized
-            setattr(self, name, fn(getattr(self, name)))
+        self.store.map_batch(fn)
+        if self.first is not None:
+            self.first = fn(self.first)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder rows of every stored tensor (codes included: nothing is re-quantized)."""
@@ -514,8 +420,12 @@ class QuantLayer(CacheLayerMixin):
         self._map_batch(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `-tokens_to_remove` tokens (a negative int, as for `DynamicLayer`). Tokens that stay keep
-        the values they were stored with; a block cut in the middle keeps its scales."""
+        """Remove the last `-tokens_to_remove` tokens (a negative int, as for `DynamicLayer`).
+
+        Whole key blocks that stay keep their codes and scales. A crop through a key block (assisted decoding's
+        rollback) takes the block's kept tokens back into the residual with the values they were stored with
+        (dequantized, RoPE re-applied, in the cache dtype) and forgets the block's codes and scales, so nothing of the
+        removed tokens stays in any kept range; the block is quantized again once it refills."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as for DynamicLayer"
@@ -525,48 +435,43 @@ class QuantLayer(CacheLayerMixin):
             return
         if self.is_sliding and self.cumulative_length >= self.sliding_window:
             raise ValueError("cannot crop a quantized sliding-window layer once its window is full")
+        s = self.store
         n = min(n, self.stored_length())
         self.cumulative_length -= n
-        r = min(n, self.res_k.shape[2])
-        if r:
-            end = self.res_k.shape[2] - r
-            self.res_k, self.res_v, self.res_pos = (
-                self.res_k[:, :, :end].clone(), self.res_v[:, :, :end].clone(), self.res_pos[:, :end].clone())
-            n -= r
-        q = min(n, self.kq.shape[2])
+        r = min(n, s.length("residual"))
+        s.crop("residual", s.length("residual") - r)
+        n -= r
+        q = min(n, s.length("token"))
         if q:
-            end = self.kq.shape[2] - q
-            for name in self._per_token_names():
-                setattr(self, name, getattr(self, name)[:, :, :end].clone())
-            self.q_pos = self.q_pos[:, :end].clone()
-            left = q if self.k_static is None else 0
-            while left:
-                take = min(left, self.block_lens[-1])
-                self.block_lens[-1] -= take
-                left -= take
-                if self.block_lens[-1] == 0:
-                    self.block_lens.pop()
-            nb = len(self.block_lens)
-            for name in self._per_block_names():
-                setattr(self, name, getattr(self, name)[:, :, :nb].clone())
-            self._blocks_changed()
+            kept = s.length("token") - q
+            G = self.k_codec.group
+            full = kept // G * G
+            if kept > full:  # the partial block's kept tokens go back to the residual as full precision
+                keys, values = self.read()
+                S = s.length("sink")
+                back_k, back_v = keys[:, :, S + full:S + kept], values[:, :, S + full:S + kept]
+                s.crop("residual", 0)
+                s.append("residual", res_k=back_k, res_v=back_v)
+            s.crop("token", full)
+            if s.names("block"):
+                s.crop("block", full // G)
             n -= q
         if n:
-            end = self.sink_k.shape[2] - n
-            self.sink_k, self.sink_v = self.sink_k[:, :, :end].clone(), self.sink_v[:, :, :end].clone()
-            self.sink_pos = self.sink_pos[:, :end].clone()
+            s.crop("sink", s.length("sink") - n)
 
     def memory(self) -> CacheMemory:
+        """Bytes held by this layer (the RoPE helper, shared by the layers of a cache, is counted by the cache)."""
         if not self.is_initialized:
-            return CacheMemory()
+            return CacheMemory(codebooks=_nbytes(self.consts["k"]["codebook"], self.consts["v"]["codebook"]),
+                               scales=_nbytes(self.consts["k"].get("static_zero"),
+                                              self.consts["k"].get("static_scale")))
+        parts = self.store.nbytes()
         return CacheMemory(
-            packed=_nbytes(self.kq, self.vq),
-            scales=_nbytes(self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.k_codebook, self.v_codebook,
-                           *(self.k_static or ())),
-            full_precision=_nbytes(self.sink_k, self.sink_v, self.res_k, self.res_v),
-            positions=_nbytes(self.sink_pos, self.q_pos, self.res_pos),
-            tokens=self.stored_length(),
-            outliers=_nbytes(self.k_oi, self.k_ov, self.v_oi, self.v_ov),
+            packed=parts["packed"], scales=parts["scales"] + _nbytes(self.consts["k"].get("static_zero"),
+                                                                     self.consts["k"].get("static_scale")),
+            outliers=parts["outliers"], full_precision=parts["full_precision"],
+            codebooks=_nbytes(self.consts["k"]["codebook"], self.consts["v"]["codebook"]),
+            positions=_nbytes(self.first), reserved=parts["reserved"], tokens=self.stored_length(),
         )
 
 
@@ -579,9 +484,12 @@ def _write_planes(out: torch.Tensor, planes: list[torch.Tensor]) -> None:
 
 
 def _dynamic_layer_memory(layer) -> CacheMemory:
+    """A transformers layer kept in full precision (native sliding window): its keys/values, and its other tensors
+    (e.g. the window size as a tensor) as bookkeeping."""
+    other = [t for name, t in vars(layer).items() if isinstance(t, torch.Tensor) and name not in ("keys", "values")]
     if not getattr(layer, "is_initialized", False) or layer.keys is None:
-        return CacheMemory()
-    return CacheMemory(full_precision=_nbytes(layer.keys, layer.values),
+        return CacheMemory(positions=_nbytes(*other))
+    return CacheMemory(full_precision=_nbytes(layer.keys, layer.values), positions=_nbytes(*other),
                        tokens=layer.keys.shape[-2] if layer.keys.dim() == 4 else 0)
 
 
@@ -621,6 +529,12 @@ class QuantCache(Cache):
             raise ValueError(f"pass either options= or keyword options, not both (got {sorted(kwargs)})")
         if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
             calibration = load_calibration(calibration)
+        if calibration is not None:  # keep only what a cache reads (not e.g. the channel weights k-means used)
+            calibration = CalibrationData(
+                calibration.model, calibration.options, calibration.settings,
+                {i: {n: t for n, t in layer.items() if n in _CALIBRATION_TENSORS}
+                 for i, layer in calibration.layers.items()},
+                calibration.qcache_version, calibration.path)
         self.calibration: CalibrationData | None = calibration
         if options is None:
             given = {k: v for k, v in kwargs.items() if v is not None}
@@ -726,10 +640,18 @@ class QuantCache(Cache):
 
     # -- reporting -------------------------------------------------------------------------------------------
     def memory(self) -> CacheMemory:
-        """Bytes held, split into packed codes, scales/zeros, full-precision tokens and positions."""
+        """Bytes held, by kind (`CacheMemory`): `total` is every byte of every tensor reachable from the cache."""
         total = CacheMemory()
         for layer in self.layers:
             total = total + (layer.memory() if isinstance(layer, QuantLayer) else _dynamic_layer_memory(layer))
+        rope = next((layer.rope for layer in self.layers if isinstance(layer, QuantLayer) and layer.rope), None)
+        if rope is not None:
+            total.rope += rope.nbytes()
+        if self.calibration is not None:  # the layers' tensors, counted once: only those no layer uses yet
+            used = {id(t) for layer in self.layers if isinstance(layer, QuantLayer)
+                    for consts in layer.consts.values() for t in consts.values() if t is not None}
+            total.codebooks += _nbytes(*(t for layer in self.calibration.layers.values() for t in layer.values()
+                                         if id(t) not in used))
         return total
 
     def __repr__(self) -> str:

@@ -159,8 +159,10 @@ class QuantCacheConfig:
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
                         fp_bytes: int = 2) -> float:
-        """Expected bytes held per token, averaged over `num_tokens`, all layers: packed data + scales/zeros +
-        full-precision tokens + the int32 position kept per token. Matches what `QuantCache.memory()` counts."""
+        """Expected bytes held per token (one batch row), averaged over `num_tokens`, all layers: packed data +
+        scales/zeros + outliers + full-precision tokens + the int64 first position kept per row. Matches what
+        `QuantCache.memory()` counts, less its preallocated-but-unused capacity (`reserved`) and the RoPE helper's
+        few KB (`rope`)."""
         self.check_head_dim(head_dim)
         sb = SCALE_DTYPES[self.scale_dtype]
         fp = self.full_precision_tokens(num_tokens)
@@ -175,5 +177,5 @@ class QuantCacheConfig:
             * (fp_bytes + 1)
             + fp * head_dim * 2 * fp_bytes  # full-precision K and V
         )
-        positions = num_tokens * 4  # int32 position per token (per batch row, per layer)
+        positions = 8  # int64 position of the row's first token (per batch row, per layer)
         return num_layers * (num_kv_heads * per_head + positions) / num_tokens

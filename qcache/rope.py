@@ -1,16 +1,32 @@
 """RoPE undo/redo with the model's own rotary-embedding code.
 
-The model's `*RotaryEmbedding` module (found in its transformers modeling file) computes cos/sin for any
-`rope_type` its config can name (default, linear, dynamic, yarn, longrope, llama3, ...) and for per-layer-type RoPE
-(Gemma 3: `rope_parameters` keyed by layer type). We only add the rotation itself, in fp32:
+The model's `*RotaryEmbedding` module (found in its transformers modeling file) computes cos/sin for any static
+`rope_type` its config can name (default, linear, yarn, llama3, ...) and for per-layer-type RoPE (Gemma 3:
+`rope_parameters` keyed by layer type). We only add the rotation itself, in fp32:
 
     redo:  x * cos + rotate_half(x) * sin                     (what attention applied)
     undo:  (x * cos - rotate_half(x) * sin) / (cos^2 + sin^2)  (the exact inverse; cos^2 + sin^2 is the squared
                                                                 attention scaling of yarn/longrope, 1 otherwise)
 
-Partial rotary (cos narrower than head_dim) rotates the leading dims and passes the rest through. At construction the
-rotation is checked against the modeling file's own `apply_rotary_pos_emb`; a model with another layout (e.g.
-interleaved pairs) raises instead of being stored wrongly.
+Undo runs when tokens are quantized, on the cos/sin the model computes for their positions. Redo runs on every
+read of the quantized region, so no cos/sin table of every position is kept (at 32k tokens and head_dim 256 such a
+table is 64 MB, more than a 4-bit cache of the keys it rotates). Instead a read composes the rotation of a token at
+position p = P + r from two small factors, by the angle-addition formulas:
+
+    cos(p t) = cos(P t) cos(r t) - sin(P t) sin(r t)          P: the first position of a block of F tokens
+    sin(p t) = sin(P t) cos(r t) + cos(P t) sin(r t)          r: the offset in the block, 0 <= r < F
+
+`factors` returns the model's cos/sin at the block starts of each row ([B, n/F, R/2], computed per read) and at the
+offsets 0..F-1 ([F, R/2], computed once per layer type and kept: a few KB), and `compose` multiplies them out. The
+composed rotation equals the model's own up to fp32 rounding of the angle (the model's own fp32 angle p * t is
+rounded to within 2^-24 of p t, about 5e-4 rad at p = 8192 for the fastest frequency; the composition is as close).
+
+RoPE types whose frequencies depend on the sequence length ("dynamic", "longrope") rotate a token differently
+depending on how long the sequence was when attention rotated it; such models are refused (rope='post' stores
+their keys as attention produced them). Partial rotary (cos narrower than head_dim) rotates the leading dims and
+passes the rest through. At construction the rotation is checked against the modeling file's own
+`apply_rotary_pos_emb`; a model with another layout (e.g. interleaved pairs), or whose layout cannot be checked,
+raises instead of being stored wrongly.
 """
 
 from __future__ import annotations
@@ -23,12 +39,13 @@ import sys
 import torch
 from torch import nn
 
-__all__ = ["RopeHelper", "rotate_half", "apply_rope", "undo_rope", "find_rotary_class", "has_rope"]
+__all__ = ["RopeHelper", "rotate_half", "apply_rope", "undo_rope", "rotate_half_width", "compose", "find_rotary_class",
+           "has_rope", "SEQ_DEPENDENT_ROPE"]
 
 logger = logging.getLogger(__name__)
 
-# rope types whose frequencies depend on the longest position seen: recomputed per call, never tabulated
-_SEQ_DEPENDENT_ROPE = ("dynamic", "longrope")
+# rope types whose frequencies depend on the sequence length: refused for pre-RoPE keys
+SEQ_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +81,30 @@ def apply_rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: 
     out[..., h:r] = x2 * cos[..., h:] + x1 * sin[..., h:]
     if r < x.shape[-1]:
         out[..., r:] = x[..., r:]
+
+
+def rotate_half_width(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, n, D] by half-width cos/sin [B or 1, n, R/2] (channel i pairs with i + R/2, R <= D; the
+    dims past R pass through), with `apply_rope_into`'s arithmetic."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, n, R/2]
+    h = cos.shape[-1]
+    x1, x2 = x[..., :h], x[..., h:2 * h]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if 2 * h < x.shape[-1]:
+        parts.append(x[..., 2 * h:])
+    return torch.cat(parts, dim=-1)
+
+
+def compose(factors: tuple[torch.Tensor, ...], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-width cos/sin [B, n, R/2] of positions P_j + r (see the module docstring) from `RopeHelper.factors`:
+    block-start cos/sin [B, nb, R/2] and offset cos/sin [F, R/2] (unit scale), for the first n positions."""
+    block_cos, block_sin, off_cos, off_sin = factors
+    B, nb, h = block_cos.shape
+    # [B, nb, 1, R/2] x [F, R/2] -> [B, nb, F, R/2] -> [B, nb*F, R/2]
+    c = block_cos.unsqueeze(2) * off_cos - block_sin.unsqueeze(2) * off_sin
+    s = block_sin.unsqueeze(2) * off_cos + block_cos.unsqueeze(2) * off_sin
+    F = off_cos.shape[0]
+    return c.reshape(B, nb * F, h)[:, :n], s.reshape(B, nb * F, h)[:, :n]
 
 
 def has_rope(text_config) -> bool:
@@ -134,7 +175,14 @@ class RopeHelper:
             self.rope_types = {t: (rope_params.get(t) or {}).get("rope_type", "default") for t in set(layer_types)}
         else:
             self.rope_types = {None: rope_params.get("rope_type", "default")}
-        self._tables: dict = {}  # (layer_type, device) -> (cos [P, R], sin [P, R]) for positions 0..P-1
+        dependent = sorted({t for t in self.rope_types.values() if t in SEQ_DEPENDENT_ROPE})
+        if dependent:
+            raise ValueError(
+                f"model_type={text_config.model_type!r} uses rope_type {dependent[0]!r}, whose frequencies change with "
+                "the sequence length: a key is rotated differently depending on when attention saw it, so it cannot "
+                f"be stored pre-RoPE; not supported: {list(SEQ_DEPENDENT_ROPE)}; allowed for such models: rope='post'"
+            )
+        self._offsets: dict = {}  # (layer_type, F, device) -> (cos, sin) [F, R/2] at offsets 0..F-1, unit scale
         self._check_layout(modeling_module)
 
     # -- cos/sin ---------------------------------------------------------------------------------------------
@@ -154,41 +202,38 @@ class RopeHelper:
         return cos.float(), sin.float()
 
     def cos_sin(self, position_ids: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin [B, T, R] for integer positions [B, T] (negative positions are treated as 0)."""
-        layer_type = self._layer_type(layer_idx)
-        position_ids = position_ids.clamp(min=0).long()
-        if self.rope_types[layer_type] in _SEQ_DEPENDENT_ROPE:
-            return self._compute(position_ids, layer_type)
-        need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-        table = self._table(layer_type, position_ids.device, need)
-        first = position_ids[:, :1]  # [B, 1]
-        if bool((first == first[0]).all()) and bool(
-                (position_ids == first + torch.arange(position_ids.shape[1], device=first.device)).all()):
-            start = int(first[0, 0])  # every row holds the same consecutive positions: a view, no gather
-            n = position_ids.shape[1]
-            return table[0][start:start + n].unsqueeze(0), table[1][start:start + n].unsqueeze(0)  # [1, T, R]
-        return table[0][position_ids], table[1][position_ids]  # [B, T, R]
+        """fp32 cos/sin [B, T, R] the model computes for integer positions [B, T] (negative positions, i.e.
+        padding, are treated as 0)."""
+        return self._compute(position_ids.clamp(min=0).long(), self._layer_type(layer_idx))
 
-    def _table(self, layer_type, device, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [P, R] for positions 0..P-1 (P >= need) of a table-based RoPE type, grown by doubling."""
-        key = (layer_type, torch.device(device))
-        table = self._tables.get(key)
-        if table is None or table[0].shape[0] < need:
-            size = max(need, 2 * (table[0].shape[0] if table else 256))
-            cos, sin = self._compute(torch.arange(size, device=device).unsqueeze(0), layer_type)  # [1, P, R]
-            table = (cos[0], sin[0])
-            self._tables[key] = table
+    def factors(self, first: torch.Tensor, n: int, layer_idx: int, block: int) -> tuple[torch.Tensor, ...]:
+        """What `compose` needs for positions first[b] + 0..n-1 of every row b: half-width cos/sin at the block
+        starts first + block * j ([B, ceil(n / block), R/2], the model's own values) and at the offsets
+        0..block-1 ([block, R/2], unit scale)."""
+        layer_type = self._layer_type(layer_idx)
+        nb = -(-n // block)
+        starts = first.long()[:, None] + block * torch.arange(nb, device=first.device)  # [B, nb]
+        cos, sin = self._compute(starts, layer_type)  # [B, nb, R]
+        h = cos.shape[-1] // 2
+        off_cos, off_sin = self._offset_table(layer_type, block, first.device)
+        return cos[..., :h], sin[..., :h], off_cos, off_sin
+
+    def _offset_table(self, layer_type, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer_type, block, torch.device(device))
+        table = self._offsets.get(key)
+        if table is None:
+            cos, sin = self._compute(torch.arange(block, device=device)[None], layer_type)  # [1, F, R]
+            h = cos.shape[-1] // 2
+            scale = cos[0, :1, :h]  # offset 0: cos = the attention scaling, sin = 0
+            table = ((cos[0, :, :h] / scale).contiguous(), (sin[0, :, :h] / scale).contiguous())
+            self._offsets[key] = table
         return table
 
-    def cos_sin_range(self, start: int, n: int, layer_idx: int,
-                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin [1, n, R] for positions start..start+n-1 in every row: a view of the table (no gather, no
-        device sync: the decode read calls it every step) for table-based RoPE types."""
-        layer_type = self._layer_type(layer_idx)
-        if n == 0 or self.rope_types[layer_type] in _SEQ_DEPENDENT_ROPE:
-            return self.cos_sin(torch.arange(start, start + n, device=device)[None], layer_idx)
-        cos, sin = self._table(layer_type, device, start + n)
-        return cos[start:start + n].unsqueeze(0), sin[start:start + n].unsqueeze(0)
+    def nbytes(self) -> int:
+        """Bytes of the tensors this helper keeps (the rotary module's buffers and the offset tables)."""
+        tensors = {t.data_ptr(): t for t in self.rotary.buffers()}
+        tensors.update({t.data_ptr(): t for pair in self._offsets.values() for t in pair})
+        return sum(t.untyped_storage().nbytes() for t in tensors.values())
 
     # -- rotation --------------------------------------------------------------------------------------------
     def redo(self, x: torch.Tensor, position_ids: torch.Tensor, layer_idx: int) -> torch.Tensor:
@@ -200,13 +245,16 @@ class RopeHelper:
         return undo_rope(x.float(), cos, sin)
 
     def _check_layout(self, modeling_module) -> None:
-        """Our rotation must equal the modeling file's `apply_rotary_pos_emb` (when it has one)."""
+        """Our rotation must equal the modeling file's `apply_rotary_pos_emb`; a modeling file without one (or with
+        another signature) cannot be checked and is refused."""
         ref = getattr(modeling_module, "apply_rotary_pos_emb", None)
-        if ref is None:
-            return
-        params = list(inspect.signature(ref).parameters)
+        params = list(inspect.signature(ref).parameters) if ref is not None else []
         if params[:4] != ["q", "k", "cos", "sin"]:
-            return
+            raise ValueError(
+                f"model_type={self.config.model_type!r}: {modeling_module.__name__} has no apply_rotary_pos_emb(q, k, "
+                "cos, sin) to check qcache's RoPE layout against, so pre-RoPE keys could be stored wrongly; allowed "
+                "for it: rope='post'"
+            )
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(1, 2, 5, self.head_dim, generator=gen)
         pos = torch.arange(3, 8).unsqueeze(0)
@@ -220,6 +268,16 @@ class RopeHelper:
                     f"model_type={self.config.model_type!r} rotates keys with a layout qcache does not undo "
                     "(only the rotate-half layout is supported); allowed for it: rope='post'"
                 )
+            h = cos.shape[-1] // 2
+            first = pos[:, 0]
+            c, s = compose(self.factors(first, pos.shape[1], idx, block=2), pos.shape[1])
+            if not torch.allclose(c, cos[..., :h], rtol=1e-5, atol=1e-5) or not torch.allclose(
+                    s, sin[..., :h], rtol=1e-5, atol=1e-5) or not torch.equal(cos[..., :h], cos[..., h:]):
+                raise ValueError(
+                    f"model_type={self.config.model_type!r}: its cos/sin are not a rotation by position x frequency "
+                    "with paired halves, which qcache re-applies by angle addition; allowed for it: rope='post'"
+                )
+        self._offsets.clear()
 
 
 def modeling_module_of(module: nn.Module):

@@ -7,6 +7,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig
 from qcache.cache import QuantLayer
+from qcache.footprint import reachable_bytes
 from qcache.rope import RopeHelper
 
 # small blocks so that short prompts exercise sinks, quantized blocks and the residual
@@ -106,12 +107,13 @@ def test_beam_reorder_moves_codes_without_requantizing():
     model = make_model("llama")
     cache = QuantCache(bits=4, **OPTS)
     logits(model, prompt(60, batch=3), cache)
-    layer = cache.layers[0]
-    kq, k_scale, vq = layer.kq.clone(), layer.k_scale.clone(), layer.vq.clone()
+    store = cache.layers[0].store
+    before = {name: t.clone() for name, t in store.views().items()}
     beam_idx = torch.tensor([2, 0, 0])
     cache.reorder_cache(beam_idx)
-    assert torch.equal(layer.kq, kq[beam_idx]) and torch.equal(layer.k_scale, k_scale[beam_idx])
-    assert torch.equal(layer.vq, vq[beam_idx])
+    assert store.length("token") > 0
+    for name, t in before.items():  # every stored tensor, codes and scales included, moved row by row
+        assert torch.equal(store.view(name), t[beam_idx]), name
 
 
 @pytest.mark.parametrize("bits,tol", [(8, 0.05), (4, 0.5)])
@@ -149,9 +151,10 @@ def test_padding_never_enters_key_statistics():
     padded, clean = QuantLayer(cfg, 0, rope), QuantLayer(cfg, 0, rope)
     padded.update(k_pad, v, kwargs={"position_ids": pos_pad})
     clean.update(k, v, kwargs={"position_ids": pos})
-    assert padded.q_pos[1, :5].eq(-1).all()
-    assert padded.k_scale[1].abs().max() < 1.0  # a pad in the statistics would give scales ~ 1e3 / 15
-    assert torch.equal(padded.k_scale[0], clean.k_scale[0])
+    assert padded.first.tolist() == [0, -5]  # row 1 starts 5 positions before 0: its first five tokens are padding
+    k_scale = padded.store.view("k_scale")
+    assert k_scale[1].abs().max() < 1.0  # a pad in the statistics would give scales ~ 1e3 / 15
+    assert torch.equal(k_scale[0], clean.store.view("k_scale")[0])
 
 
 def test_continue_conversation_on_same_cache(family):
@@ -176,7 +179,8 @@ def test_crop(remove):
     kept = 62 - remove
     assert cache.get_seq_length() == kept
     layer = cache.layers[0]
-    assert layer.kq.shape[2] == sum(layer.block_lens) == layer.q_pos.shape[1]
+    assert layer.quantized_length % OPTS["k_group_size"] == 0  # only whole key blocks stay quantized
+    assert layer.store.length("block") * OPTS["k_group_size"] == layer.quantized_length
     nxt = ids[:, kept:kept + 1]
     out = logits(model, nxt, cache)
     ref = logits(model, ids[:, :kept + 1], DynamicCache(config=model.config))[:, -1:]
@@ -202,14 +206,14 @@ def test_update_returns_what_is_stored_and_never_requantizes():
     ids = prompt(80)
     logits(model, ids[:, :50], cache)
     layer = cache.layers[1]
-    kq, k_scale, vq, v_scale = (t.clone() for t in (layer.kq, layer.k_scale, layer.vq, layer.v_scale))
-    keys_before = torch.cat([layer.sink_k, layer._dequantized_keys()], dim=2)
+    before = {name: t.clone() for name, t in layer.store.views(axis="token").items()}
+    before |= {name: t.clone() for name, t in layer.store.views(axis="block").items()}
+    n = layer.store.length("sink") + layer.quantized_length
+    keys_before = layer.read()[0][:, :, :n]
     logits(model, ids[:, 50:], cache)  # more tokens: new blocks are appended, old ones untouched
-    n = kq.shape[2]
-    assert layer.kq.shape[2] > n
-    assert torch.equal(layer.kq[:, :, :n], kq) and torch.equal(layer.vq[:, :, :n], vq)
-    assert torch.equal(layer.k_scale[:, :, :k_scale.shape[2]], k_scale)
-    assert torch.equal(layer.v_scale[:, :, :n], v_scale)
+    assert layer.quantized_length > n - layer.store.length("sink")
+    for name, t in before.items():
+        assert torch.equal(layer.store.view(name)[:, :, :t.shape[2]], t), name
     # what attention got back for the old tokens is exactly what the cache still holds
     new_k = torch.randn(1, 2, 1, 32)
     keys, _ = layer.update(new_k, torch.randn(1, 2, 1, 32), kwargs={"position_ids": torch.tensor([[80]])})
@@ -224,7 +228,7 @@ def test_memory_counts_really_packed_storage(bits):
     logits(model, prompt(150), cache)
     mem = cache.memory()
     layer = cache.layers[0]
-    tq = layer.kq.shape[2]
+    tq = layer.quantized_length
     assert tq == (150 - 2 - 4) // 16 * 16
     heads, head_dim, layers = 2, 32, 2
     assert mem.packed == layers * heads * tq * head_dim * 2 * bits // 8  # K and V, bits/8 bytes per value
@@ -232,7 +236,8 @@ def test_memory_counts_really_packed_storage(bits):
     assert mem.tokens == 150
     expected = QuantCacheConfig(bits=bits, **OPTS, scale_dtype="float16").bytes_per_token(
         layers, heads, head_dim, 150, fp_bytes=4) * 150
-    assert mem.total == pytest.approx(expected)
+    assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
+    assert mem.total == reachable_bytes(cache)
 
 
 def test_quantized_sliding_layers():
@@ -295,3 +300,87 @@ def test_direct_update_without_config_names_the_fix():
     cache = QuantCache(bits=4)
     with pytest.raises(ValueError, match=r"QuantCache\(model.config"):
         cache.update(torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32), 0)
+
+
+# --- what the cache holds --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,kwargs", [
+    ("llama", dict(bits=4)),
+    ("llama", dict(bits=2, outliers=1)),
+    ("llama", dict(k_bits=8, v_bits=3, kernel="compiled")),
+    ("gemma3", dict(bits=4)),  # sliding layers native (transformers' own layers)
+    ("gemma3", dict(bits=4, sliding_layers="quantized")),
+])
+def test_memory_total_is_every_reachable_byte(family, kwargs):
+    """`memory().total` is what the cache really holds: every byte of every tensor reachable from it, RoPE helper,
+    positions and preallocated capacity included (counted independently by qcache.footprint)."""
+    model = make_model(family)
+    cache = QuantCache(**kwargs, **OPTS)
+    generate(model, prompt(90), cache, max_new_tokens=20)
+    mem = cache.memory()
+    assert mem.packed > 0
+    assert mem.total == reachable_bytes(cache)
+    assert mem.reserved < 0.5 * mem.total
+
+
+def test_crop_through_a_block_leaves_no_trace():
+    """Assisted decoding's rollback: after a crop through a key block, the kept blocks' codes and scales are those
+    of a cache that never saw the removed tokens, and the cut block's kept tokens hold the values they were read
+    with (back in full precision)."""
+    model = make_model("llama")
+    ids = prompt(70)
+    cache = QuantCache(bits=4, **OPTS)
+    logits(model, ids, cache)
+    layer = cache.layers[1]
+    read_before = layer.read()[0]
+    kept = 2 + 16 * 2 + 5  # sinks, two whole blocks, 5 tokens of the third block
+    cache.crop(-(70 - kept))
+    fresh = QuantCache(bits=4, **OPTS)
+    logits(model, ids[:, :kept], fresh)
+    for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale"):
+        got, ref = layer.store.view(name), fresh.layers[1].store.view(name)
+        assert got.shape[2] == min(ref.shape[2], got.shape[2]) and torch.equal(got, ref[:, :, :got.shape[2]]), name
+    assert layer.quantized_length == 32 and layer.store.length("residual") == 5
+    torch.testing.assert_close(layer.read()[0], read_before[:, :, :kept], rtol=0, atol=0)
+    out = logits(model, ids[:, kept:kept + 20], cache)  # refills and re-quantizes the block
+    ref = logits(model, ids[:, :kept + 20], DynamicCache(config=model.config))[:, kept:]
+    assert (out - ref).abs().max() <= 0.5 * ref.std()
+
+
+@pytest.mark.parametrize("positions,match", [
+    ([[0, 1, 2, 1, 1]], "right padding"),  # generate's positions for a right-padded row
+    ([[0, 1, 2, 0, 1]], "restart"),  # two packed sequences
+    ([[0, 1, 2, 4, 5]], "gaps"),
+])
+def test_positions_that_are_not_one_run_per_row_raise(positions, match):
+    layer = QuantLayer(QuantCacheConfig(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
+    with pytest.raises(ValueError, match=match):
+        layer.update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32),
+                     kwargs={"position_ids": torch.tensor(positions)})
+
+
+def test_left_padding_then_continuation_is_one_run():
+    layer = QuantLayer(QuantCacheConfig(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
+    pos = torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])  # row 1: two pads (given 1, as generate gives them)
+    layer.update(torch.randn(2, 2, 4, 32), torch.randn(2, 2, 4, 32), kwargs={"position_ids": pos})
+    assert layer.first.tolist() == [0, -2]
+    layer.update(torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32), kwargs={"position_ids": torch.tensor([[4], [2]])})
+    with pytest.raises(ValueError, match="row 1"):
+        layer.update(torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32),
+                     kwargs={"position_ids": torch.tensor([[5], [5]])})
+
+
+def test_a_lost_fused_handover_raises():
+    """Decode handed attention the quantized region by reference (tagged full-precision states); if nothing attends
+    from the codes (the tag was dropped on the way), the next update of that layer raises instead of letting the
+    model attend over less than the cache holds."""
+    model = make_model("llama")
+    cache = QuantCache(model.config, bits=4, kernel="compiled", **OPTS)
+    logits(model, prompt(60), cache)
+    layer = cache.layers[0]
+    layer.fused_attention = True
+    keys, _ = layer.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32),
+                           kwargs={"position_ids": torch.tensor([[60]])})
+    assert keys._qcache_layer is layer and keys.shape[2] < layer.stored_length()
+    with pytest.raises(RuntimeError, match="attention never read it"):
+        layer.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), kwargs={"position_ids": torch.tensor([[61]])})

@@ -84,9 +84,9 @@ def test_calibrated_cache_uses_the_file(llama, llama_file):
         out = llama.generate(ids, cache=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 68)
     layer = cache.layers[0]
-    assert isinstance(layer, QuantLayer) and layer.k_codebook is not None and layer.quantized_length > 0
+    assert isinstance(layer, QuantLayer) and layer.k_codec.codebook and layer.quantized_length > 0
     # the stored codes decode to the calibrated levels, not to uniform ones
-    assert not torch.allclose(layer.v_codebook, torch.linspace(0, 1, 4))
+    assert not torch.allclose(layer.consts["v"]["codebook"], torch.linspace(0, 1, 4))
 
 
 def test_static_keys_quantize_on_arrival(llama, llama_file):
@@ -94,9 +94,9 @@ def test_static_keys_quantize_on_arrival(llama, llama_file):
     with torch.no_grad():
         llama(calibration_ids(1, 37, seed=4), cache=cache, use_cache=True)
     layer = cache.layers[0]
-    assert layer.k_static is not None
-    assert layer.res_k.shape[2] == 4  # only the recent window stays in full precision: no partial block
-    assert layer.k_scale.numel() == 0  # no per-block key scales
+    assert layer.k_codec.static and layer.k_codec.group == 1
+    assert layer.store.length("residual") == 4  # only the recent window stays in full precision: no partial block
+    assert "k_scale" not in layer.store.parts  # no per-block key scales
 
 
 def test_gemma3_calibrated_generate(tmp_path):

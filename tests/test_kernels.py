@@ -7,8 +7,8 @@ import torch
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig, kernels
 from qcache.attention import fp32_sdpa_attention_forward, use_fp32_attention
-from qcache.cache import _extend_run
-from qcache.quant import dequantize, pack, unpack
+from qcache.codec import ValueCodec
+from qcache.quant import code_planes, dequantize, pack
 
 OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
 
@@ -70,11 +70,12 @@ def test_compiled_generate_same_tokens(compiled_calls):
     assert compiled_calls  # the fused path served the compiled cache
 
 
-def test_layouts_outside_the_kernel_read_eagerly(compiled_calls):
-    """Rows at different positions (left padding) and a crop through a block use the eager code: same values."""
+def test_every_layout_reads_compiled(compiled_calls):
+    """Rows at different positions (left padding) and a crop through a block read through the same compiled
+    functions, with the eager path's values."""
     config = make_model("llama").config
 
-    def padded(pos, n):  # row 1 starts 3 tokens later: its first 3 positions are padding
+    def padded(pos, n):  # row 1 starts 3 tokens later: its first 3 positions are padding (given as 0)
         p = torch.arange(pos, pos + n)[None].repeat(2, 1)
         p[1] -= 3
         return p.clamp(min=0)
@@ -82,22 +83,17 @@ def test_layouts_outside_the_kernel_read_eagerly(compiled_calls):
     eager = QuantCache(config, bits=4, **OPTS)
     fused = QuantCache(config, bits=4, kernel="compiled", **OPTS)
     for (ke, _), (kf, _) in zip(_feed(eager, 3, batch=2, positions=padded), _feed(fused, 3, batch=2, positions=padded)):
-        assert torch.equal(ke, kf)
-    assert fused.layers[0]._q_start is None and not compiled_calls
+        torch.testing.assert_close(kf, ke, rtol=2**-7, atol=1e-3)
+    assert fused.layers[0].first.tolist() == [0, -3] and compiled_calls.count("read_keys") == 4
 
+    eager = QuantCache(config, bits=4, **OPTS)
     fused = QuantCache(config, bits=4, kernel="compiled", **OPTS)
-    _feed(fused, 0)
-    fused.crop(-(fused.layers[0].res_k.shape[2] + 8))  # the residual and half of the last 16-token block
-    assert not fused.layers[0]._uniform_blocks and not fused.layers[0]._fused_layout()
-
-
-def test_extend_run():
-    run = torch.arange(5, 9)[None].repeat(2, 1)
-    assert _extend_run(None, 0, run) == 5
-    assert _extend_run(5, 4, torch.arange(9, 11)[None]) == 5
-    assert _extend_run(5, 4, torch.arange(10, 12)[None]) is None  # a gap
-    assert _extend_run(None, 0, torch.tensor([[-1, 0, 1], [0, 1, 2]])) is None  # rows differ (padding)
-    assert _extend_run(None, 4, torch.arange(9, 11)[None]) is None  # an earlier break stays broken
+    for cache in (eager, fused):
+        _feed(cache, 0)
+        cache.crop(-(cache.layers[0].store.length("residual") + 8))  # the residual and half of the last block
+    ke, kf = eager.layers[0].read()[0], fused.layers[0].read()[0]
+    torch.testing.assert_close(kf, ke, rtol=2**-7, atol=1e-3)
+    assert compiled_calls.count("read_keys") >= 5
 
 
 def test_kernel_option_is_checked():
@@ -124,7 +120,7 @@ def test_decode_attention_equals_attention_over_the_read(bits, outliers, v_group
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(2, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     keys, values = layer.update(k, v, kwargs={"position_ids": torch.tensor([[75], [75]])})
-    assert keys._qcache_layer is layer and keys.shape[2] == layer.sink_k.shape[2] + layer.res_k.shape[2]
+    assert keys._qcache_layer is layer and keys.shape[2] == layer.store.length("sink") + layer.store.length("residual")
     full_k, full_v = layer.read()
     T = full_k.shape[2]
     assert T == 76 and layer.quantized_length > 0
@@ -157,6 +153,7 @@ def test_lazy_states_outside_decode_read_the_cache():
     _, layer = _lazy_layer(4)
     keys, values = layer._lazy_states()
     full_k, full_v = layer.read()
+    assert keys.shape[2] < full_k.shape[2]
     query = torch.randn(1, 4, 3, 32)
     mask = torch.ones(1, 1, 3, full_k.shape[2], dtype=torch.bool)
     out, _ = fp32_sdpa_attention_forward(torch.nn.Module(), query, keys, values, mask)
@@ -194,7 +191,7 @@ def test_no_lazy_states_for_other_attention():
     layer = cache.layers[0]
     assert not layer.fused_attention and layer.quantized_length > 0
     keys, _ = layer.update(*(torch.randn(1, 2, 1, 32) for _ in range(2)),
-                           kwargs={"position_ids": torch.tensor([[83]])})
+                           kwargs={"position_ids": torch.tensor([[82]])})  # 80 + 2 decoded tokens held
     assert keys.shape[2] == layer.stored_length() and not hasattr(keys, "_qcache_layer")
 
 
@@ -206,7 +203,7 @@ def test_packing_is_planar():
     assert torch.equal(packed & 0xF, codes[:, :8]) and torch.equal(packed >> 4, codes[:, 8:])
     for bits in (2, 3, 4, 8):
         c = torch.randint(0, 2**bits, (2, 3, 64), dtype=torch.uint8)
-        assert torch.equal(torch.cat(kernels.code_planes(pack(c, bits), bits), -1), c)
+        assert torch.equal(torch.cat(code_planes(pack(c, bits), bits), -1), c)
 
 
 def test_value_planes_when_groups_do_not_nest():
@@ -214,7 +211,8 @@ def test_value_planes_when_groups_do_not_nest():
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (1, 2, 5, 48), generator=g, dtype=torch.uint8)
     scale, zero = torch.rand(1, 2, 5, 3, generator=g), torch.rand(1, 2, 5, 3, generator=g)
-    got = kernels.group_values(pack(codes, 4), scale, zero, 4, 16, None)
+    codec = ValueCodec(bits=4, group=16, scale_dtype=torch.float32)
+    got = torch.cat(codec.planes({"v_codes": pack(codes, 4), "v_scale": scale, "v_zero": zero}, {}), dim=-1)
     ref = dequantize(codes.view(1, 2, 5, 3, 16), scale[..., None], zero[..., None]).view(1, 2, 5, 48)
     assert torch.equal(got, ref)
 

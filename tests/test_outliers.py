@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from qcache.footprint import reachable_bytes
+
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig
 from qcache.quant import dequantize_grouped, quantize_grouped, scatter_outliers, select_outliers
@@ -48,13 +50,14 @@ def test_cache_with_outliers_is_closer_and_counts_its_bytes():
             cache = QuantCache(bits=2, outliers=m, **OPTS)
             errs[m] = (model(ids, cache=cache, use_cache=True).logits - ref).pow(2).mean()
     assert errs[2] < errs[0]
-    layer = cache.layers[0]
-    nb, tq = layer.k_scale.shape[2], layer.kq.shape[2]
-    assert layer.k_oi.shape == (1, 2, nb, 2, 32) and layer.v_oi.shape == (1, 2, tq, 2, 2)
+    store = cache.layers[0].store
+    nb, tq = store.length("block"), store.length("token")
+    assert store.view("k_out_idx").shape == (1, 2, nb, 2, 32) and store.view("v_out_idx").shape == (1, 2, tq, 2, 2)
     mem = cache.memory()
     assert mem.outliers == 2 * 2 * 2 * (nb * 32 + tq * 2) * (4 + 1)  # layers x heads x m x count x (fp32 + offset)
     expected = QuantCacheConfig(bits=2, outliers=2, **OPTS).bytes_per_token(2, 2, 32, 150, fp_bytes=4) * 150
-    assert mem.total == pytest.approx(expected)
+    assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
+    assert mem.total == reachable_bytes(cache)
 
 
 def test_outliers_survive_crop_beam_and_sliding_eviction():
@@ -67,18 +70,25 @@ def test_outliers_survive_crop_beam_and_sliding_eviction():
     cache = QuantCache(bits=4, outliers=1, **OPTS)
     with torch.no_grad():
         model(ids[:1], cache=cache, use_cache=True)
-        cache.crop(-(cache.layers[0].res_k.shape[2] + 8))  # through the last block
         layer = cache.layers[0]
-        assert not layer._uniform_blocks and layer.k_oi.shape[2] == len(layer.block_lens)
-        keys = layer._dequantized_keys()
-        assert keys.shape[2] == layer.kq.shape[2] and torch.isfinite(keys).all()
-        model(ids[:1, :1], cache=cache, use_cache=True)  # keeps working
+        held, residual = layer.stored_length(), layer.store.length("residual")
+        cache.crop(-(residual + 8))  # through the last block
+        assert layer.stored_length() == held - residual - 8
+        assert layer.store.length("residual") == 8  # the cut block's 8 kept tokens, back in full precision
+        assert layer.store.length("block") * 16 == layer.store.length("token")  # whole blocks only
+        assert layer.store.view("k_out_idx").shape[2] == layer.store.length("block")
+        keys, _ = layer.read()
+        assert torch.isfinite(keys).all()
+        model(ids[:1, 62:63], cache=cache, use_cache=True)  # keeps working
     gemma = make_model("gemma3")
     cache = QuantCache(bits=4, outliers=1, sliding_layers="quantized", **OPTS)
     with torch.no_grad():
         gemma.generate(ids[:1, :60], cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0)
     sliding = next(layer for layer in cache.layers if layer.is_sliding)
-    assert sliding.k_oi.shape[2] == len(sliding.block_lens) and sliding.v_oi.shape[2] == sliding.kq.shape[2]
+    store = sliding.store
+    assert sliding.dropped > 0  # blocks were evicted from the front
+    assert store.view("k_out_idx").shape[2] == store.length("block") and store.view("v_out_idx").shape[2] == \
+        store.length("token")
 
 
 def test_outlier_options_are_checked():

@@ -35,7 +35,10 @@ ROPE_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ROPE_CONFIGS))
+SEQUENCE_DEPENDENT = ("dynamic", "longrope")
+
+
+@pytest.mark.parametrize("name", sorted(set(ROPE_CONFIGS) - set(SEQUENCE_DEPENDENT)))
 def test_undo_redo_identity(name):
     config = ROPE_CONFIGS[name]()
     rope = RopeHelper(config)
@@ -50,6 +53,34 @@ def test_undo_redo_identity(name):
         back = rope.undo(rotated, pos, layer_idx)
         rel = (back - x).norm() / x.norm()
         assert rel < 1e-5, (name, layer_idx, float(rel))
+
+
+@pytest.mark.parametrize("name", SEQUENCE_DEPENDENT)
+def test_sequence_dependent_rope_is_refused(name):
+    """Frequencies that change with the sequence length rotate a token differently depending on when attention saw
+    it: such keys cannot be stored pre-RoPE, and the error says what to use instead."""
+    with pytest.raises(ValueError, match=rf"rope_type '{name}'.*rope='post'"):
+        RopeHelper(ROPE_CONFIGS[name]())
+
+
+@pytest.mark.parametrize("name", sorted(set(ROPE_CONFIGS) - set(SEQUENCE_DEPENDENT)))
+def test_composed_rotation_equals_the_models(name):
+    """The read re-applies RoPE by angle addition from block-start and offset factors: the same rotation as the
+    model's cos/sin at every position (per row, incl. rows starting at negative positions = left padding)."""
+    from qcache.rope import compose
+
+    config = ROPE_CONFIGS[name]()
+    rope = RopeHelper(config)
+    for first in (torch.tensor([0, -3, 7]), torch.tensor([5000])):
+        # the model computes the angle p * t in fp32, rounded to within 2^-24 p t: cos/sin of far positions carry
+        # that much of its own error (about 1.5e-4 at p = 5200 for t = 1); near 0 both agree to fp32 rounding
+        atol = max(2e-6, 2 * float(first.max() + 200) * 2**-24)
+        for layer_idx in range(config.num_hidden_layers):
+            cos, sin = rope._compute(first[:, None] + torch.arange(200), rope._layer_type(layer_idx))  # the model's
+            c, s = compose(rope.factors(first, 200, layer_idx, block=64), 200)
+            h = cos.shape[-1] // 2
+            torch.testing.assert_close(c, cos[..., :h], rtol=0, atol=atol)
+            torch.testing.assert_close(s, sin[..., :h], rtol=0, atol=atol)
 
 
 def test_partial_rotary_passes_tail_through():

@@ -1,0 +1,226 @@
+"""Codecs: how a key block and a value group are encoded into stored parts and decoded back.
+
+A codec is a small frozen description (bits, group size, scale dtype, outliers, whether levels come from a
+codebook or ranges are static). It declares the tensors it stores (`parts`, see qcache/store.py), encodes fp32
+states into them (`encode`) and decodes stored entries into fp32 channel planes (`planes`). The eager read, the
+compiled read and the fused decode attention all decode through `planes` (qcache/kernels.py), so a new scheme is one
+codec, used alike everywhere. Per-layer tensors a codec needs (a calibrated codebook, static key ranges) are passed
+beside it as `consts`, so that compiled code specializes on the description, not on each layer's tensors.
+
+    ========== ============================================ ==============================================
+    codec      groups                                       stored per group (besides the packed codes)
+    ========== ============================================ ==============================================
+    KeyCodec   one channel over a block of `group` tokens   scale, zero; `outliers` (offset, value) pairs
+               (per-channel keys, KIVI); `static`: one      static: nothing (range per channel in consts)
+               calibrated range per channel for all tokens
+    ValueCodec one token over `group` consecutive channels  scale, zero; `outliers` (offset, value) pairs
+    ========== ============================================ ==============================================
+
+Levels are uniform (`zero + code * scale`) or, with `codebook=True`, the calibrated levels of `consts["codebook"]`
+(qcache/quant.py). Codes are packed in planes (qcache/quant.py): `planes` returns the channel slices of the packing
+([B, H, n, w] each, in channel order) so that RoPE pairs can be rotated without interleaving.
+
+Example:
+    >>> codec = ValueCodec(bits=4, group=32, scale_dtype=torch.float16)
+    >>> codec.bits_per_value(head_dim=64)
+    5.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quant import (
+    code_planes, dequantize, pack, quantize, quantize_grouped, scatter_outliers, select_outliers, unpack,
+)
+from .store import Part
+
+__all__ = ["KeyCodec", "ValueCodec"]
+
+_SCALE_BYTES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
+
+
+@dataclass(frozen=True)
+class _GroupCodec:
+    bits: int
+    group: int
+    scale_dtype: torch.dtype
+    outliers: int = 0
+    clip_ratios: tuple[float, ...] = (1.0,)
+    codebook: bool = False
+    prefix: str = ""
+
+    def _name(self, part: str) -> str:
+        return self.prefix + part
+
+    def _levels(self, consts: dict) -> torch.Tensor | None:
+        if not self.codebook:
+            return None
+        cb = consts.get("codebook")
+        if cb is None or cb.numel() != 2**self.bits:
+            raise ValueError(f"codec {self} needs a codebook of {2**self.bits} levels in consts; got "
+                             f"{None if cb is None else cb.numel()}")
+        return cb
+
+
+@dataclass(frozen=True)
+class KeyCodec(_GroupCodec):
+    """Keys per channel: one scale/zero per channel per block of `group` tokens (or, `static`, one calibrated range
+    per channel for every token: no per-block metadata and no full-precision block to wait for).
+
+    Args:
+        bits: 2, 3, 4 or 8.
+        group: tokens per block (1 for static ranges).
+        scale_dtype: dtype of scales and zeros.
+        outliers: per group, this many values farthest from the group's median are kept exactly (cache dtype value +
+            1-byte offset in the block) and left out of the range.
+        clip_ratios: candidate shrinks of each group's range; each group keeps the least squared error.
+        codebook: levels from `consts["codebook"]` instead of uniform steps.
+        static: the range of channel c is `consts["static_zero"/"static_scale"][h, c]` for every token.
+        prefix: prepended to the part names (a store holds keys and values).
+
+    Example:
+        >>> KeyCodec(bits=2, group=64, scale_dtype=torch.float16, outliers=1).bits_per_value(64, fp_bytes=2)
+        2.875
+    """
+
+    static: bool = False
+    prefix: str = "k_"
+
+    def parts(self, head_dim: int, dtype: torch.dtype) -> list[Part]:
+        """The tensors this codec stores for `head_dim` channels in a cache of `dtype`."""
+        parts = [Part(self._name("codes"), "token", (head_dim * self.bits // 8,), torch.uint8, "packed")]
+        if not self.static:
+            parts += [Part(self._name("scale"), "block", (head_dim,), self.scale_dtype, "scales"),
+                      Part(self._name("zero"), "block", (head_dim,), self.scale_dtype, "scales")]
+        if self.outliers:
+            parts += [Part(self._name("out_idx"), "block", (self.outliers, head_dim), torch.uint8, "outliers"),
+                      Part(self._name("out_val"), "block", (self.outliers, head_dim), dtype, "outliers")]
+        return parts
+
+    def bits_per_value(self, head_dim: int, fp_bytes: int = 2) -> float:
+        """Stored bits per key value: the code plus its block's scale/zero and outliers, amortized."""
+        meta = 0 if self.static else 2 * _SCALE_BYTES[self.scale_dtype] * 8 / self.group
+        return self.bits + meta + self.outliers * (fp_bytes + 1) * 8 / self.group
+
+    def encode(self, k: torch.Tensor, consts: dict, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Parts for pre-RoPE keys k [B, H, n, D] (n a multiple of `group`); `valid` [B, 1, n, 1] bool keeps padding
+        out of the ranges. Returns {part name: tensor} as `parts` declares them."""
+        out = {}
+        keep = valid
+        if self.outliers:
+            idx, val, keep = select_outliers(k, self.outliers, self.group, dim=2, mask=valid)
+            out[self._name("out_idx")], out[self._name("out_val")] = idx, val  # [B, H, n/G, m, D]
+        if self.static:
+            zero = consts["static_zero"].to(k.device)[None, :, None, :]  # [H, D] -> [1, H, 1, D]
+            scale = consts["static_scale"].to(k.device)[None, :, None, :]
+            codes = quantize(k, scale, zero, self.bits, self._levels(consts))
+        else:
+            codes, scale, zero = quantize_grouped(k, self.bits, self.group, dim=2, mask=keep,
+                                                  scale_dtype=self.scale_dtype, codebook=self._levels(consts),
+                                                  clip_ratios=self.clip_ratios)
+            out[self._name("scale")], out[self._name("zero")] = scale, zero  # [B, H, n/G, D]
+        out[self._name("codes")] = pack(codes, self.bits)
+        return out
+
+    def planes(self, parts: dict, consts: dict) -> list[torch.Tensor]:
+        """fp32 pre-RoPE keys of the stored entries as channel planes [B, H, n, w] (in channel order)."""
+        codebook = self._levels(consts)
+        planes, a = [], 0
+        for codes in code_planes(parts[self._name("codes")], self.bits):
+            B, H, n, w = codes.shape
+            sl = slice(a, a + w)
+            a += w
+            if self.static:
+                zero = consts["static_zero"][None, :, None, sl]  # [H, D] -> [1, H, 1, w]
+                scale = consts["static_scale"][None, :, None, sl]
+                planes.append(dequantize(codes, scale, zero, codebook=codebook))
+                continue
+            G = self.group
+            # [B, H, n, w] -> [B, H, n/G, G, w]: one scale/zero per block broadcast over its tokens
+            x = dequantize(codes.view(B, H, n // G, G, w), parts[self._name("scale")][..., sl].unsqueeze(3),
+                           parts[self._name("zero")][..., sl].unsqueeze(3), codebook=codebook)
+            if self.outliers:
+                scatter_outliers(x, 3, parts[self._name("out_idx")][..., sl], parts[self._name("out_val")][..., sl])
+            planes.append(x.view(B, H, n, w))  # [B, H, n/G, G, w] -> [B, H, n, w]
+        return planes
+
+
+@dataclass(frozen=True)
+class ValueCodec(_GroupCodec):
+    """Values per token: one scale/zero per token per group of `group` consecutive channels.
+
+    Args: as `KeyCodec` (without `static`); `group` counts channels.
+
+    Example:
+        >>> ValueCodec(bits=4, group=64, scale_dtype=torch.float16).bits_per_value(64)
+        4.5
+    """
+
+    prefix: str = "v_"
+
+    def parts(self, head_dim: int, dtype: torch.dtype) -> list[Part]:
+        ng = head_dim // self.group
+        parts = [Part(self._name("codes"), "token", (head_dim * self.bits // 8,), torch.uint8, "packed"),
+                 Part(self._name("scale"), "token", (ng,), self.scale_dtype, "scales"),
+                 Part(self._name("zero"), "token", (ng,), self.scale_dtype, "scales")]
+        if self.outliers:
+            parts += [Part(self._name("out_idx"), "token", (ng, self.outliers), torch.uint8, "outliers"),
+                      Part(self._name("out_val"), "token", (ng, self.outliers), dtype, "outliers")]
+        return parts
+
+    def bits_per_value(self, head_dim: int, fp_bytes: int = 2) -> float:
+        """Stored bits per value: the code plus its group's scale/zero and outliers, amortized."""
+        return self.bits + (2 * _SCALE_BYTES[self.scale_dtype] * 8 + self.outliers * (fp_bytes + 1) * 8) / self.group
+
+    def encode(self, v: torch.Tensor, consts: dict, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Parts for values v [B, H, n, D]. (`valid` is accepted for symmetry: padding tokens are groups of their
+        own, so they never widen a real token's range.)"""
+        out = {}
+        keep = None
+        if self.outliers:
+            idx, val, keep = select_outliers(v, self.outliers, self.group, dim=3)
+            out[self._name("out_idx")], out[self._name("out_val")] = idx, val  # [B, H, n, D/g, m]
+        codes, scale, zero = quantize_grouped(v, self.bits, self.group, dim=3, mask=keep,
+                                              scale_dtype=self.scale_dtype, codebook=self._levels(consts),
+                                              clip_ratios=self.clip_ratios)
+        out[self._name("codes")], out[self._name("scale")], out[self._name("zero")] = pack(codes, self.bits), scale, zero
+        return out
+
+    def planes(self, parts: dict, consts: dict) -> list[torch.Tensor]:
+        """fp32 values of the stored entries as channel planes [B, H, n, w] (in channel order)."""
+        codebook = self._levels(consts)
+        vq, scale, zero = parts[self._name("codes")], parts[self._name("scale")], parts[self._name("zero")]
+        out_idx, out_val = (parts[self._name("out_idx")], parts[self._name("out_val")]) if self.outliers else (None,
+                                                                                                                None)
+        group = self.group
+        planes = code_planes(vq, self.bits)
+        w = planes[0].shape[-1]
+        if w % group and group % w:  # planes and groups do not nest (e.g. D=48, group 16): one plane of all channels
+            planes = [unpack(vq, self.bits)]
+            w = planes[0].shape[-1]
+        out = []
+        for i, codes in enumerate(planes):
+            B, H, n, _ = codes.shape
+            a = i * w
+            if w % group == 0:  # the plane holds whole groups
+                g = slice(a // group, (a + w) // group)
+                # [B, H, n, w] -> [B, H, n, w/group, group]: one scale/zero per group
+                x = dequantize(codes.view(B, H, n, w // group, group), scale[..., g].unsqueeze(-1),
+                               zero[..., g].unsqueeze(-1), codebook=codebook)
+                if out_idx is not None:
+                    scatter_outliers(x, 4, out_idx[..., g, :], out_val[..., g, :])
+                out.append(x.view(B, H, n, w))  # [B, H, n, w/group, group] -> [B, H, n, w]
+                continue
+            g = a // group  # the plane lies inside group g, at channel offset a % group
+            x = dequantize(codes, scale[..., g:g + 1], zero[..., g:g + 1], codebook=codebook)
+            if out_idx is not None:
+                # the group's outliers that fall in this plane; the others go to a scratch column that is dropped
+                rel = out_idx[..., g, :].long() - a % group  # [B, H, n, m]
+                rel = torch.where((rel >= 0) & (rel < w), rel, w)
+                x = torch.cat([x, x.new_zeros(B, H, n, 1)], dim=-1).scatter(-1, rel, out_val[..., g, :].to(x.dtype))
+                x = x[..., :w]
+            out.append(x)
+        return out
