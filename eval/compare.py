@@ -42,6 +42,9 @@ DEFAULT_RETRIEVAL_CACHES = ("default", "quant:2", "quant:4", "hf-quanto:2")
 DEFAULT_RETRIEVAL_TASKS = ("niah_single_1", "qcache_passkey")  # the multikey tasks: 0 for SmolLM2's default cache
 PPL_TASK = "qcache_ppl"
 PPL_METRICS = ("token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
+# lm-eval loggers whose INFO lines repeat for every cache row ("Building contexts ...", "Running ... requests");
+# raised to WARNING unless --verbose. Nothing else is touched: warnings from lm-eval, transformers and datasets show.
+QUIET_INFO_LOGGERS = ("lm_eval.api.task", "lm_eval.evaluator")
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ def _evaluate(lm, loaded: dict, limit: int | None) -> tuple[dict, float]:
 
     _seed()
     start = time.perf_counter()
-    out = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=False, verbosity="WARNING")
+    out = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=False)
     return out["results"], time.perf_counter() - start
 
 
@@ -145,7 +148,8 @@ def _auto_calibration(lm, spec: CacheSpec) -> dict:
     name = Path(lm.model.config.name_or_path or "model").name
     path = default_cache_dir() / "calibration" / f"{name}-{spec.label}.qcache.safetensors".replace("/", "_")
     start = time.perf_counter()
-    save_calibration(path, calibrate_model(lm.model, lm.tokenizer, config, name, progress=False))
+    log.info("%s: calibrating %s on the calibration split first (progress below)", spec.label, name)
+    save_calibration(path, calibrate_model(lm.model, lm.tokenizer, config, name, progress=True))
     log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
     return {**spec.options, "calibration": str(path)}
 
@@ -486,7 +490,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="keep the rows a previous run with the same settings saved (<out>.partial.json if it was "
                         "interrupted, else <out>.json) and measure only the missing caches and lengths")
-    p.add_argument("-v", "--verbose", action="store_true", help="log lm-eval's progress too")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help=f"log lm-eval's per-row INFO lines too ({', '.join(QUIET_INFO_LOGGERS)}); warnings always show")
     return p
 
 
@@ -495,8 +500,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     command = "python -m eval.compare " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        for name in ("lm-eval", "lm_eval", "transformers", "datasets"):
+    if not args.verbose:  # only lm-eval's per-row INFO lines; every warning of every library still shows
+        for name in QUIET_INFO_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
     offline_environment()
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 __all__ = [
     "GGUFSource",
@@ -247,6 +248,17 @@ def _discard(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# what `_convert` does, one progress-bar step each (transformers shows its own bar while dequantizing tensors)
+_CONVERSION_STEPS = ("locating the GGUF file", "dequantizing and saving the checkpoint", "hashing the GGUF file",
+                     "moving into place")
+
+
+def _step(bar, index: int) -> None:
+    """Mark the steps before `index` done and name step `index` on the conversion progress bar."""
+    bar.update(index - bar.n)
+    bar.set_postfix_str(_CONVERSION_STEPS[index])
+
+
 def _convert(name: str, target: Path) -> None:
     """Convert short name `name` into `target`, atomically (see the module docstring for the layout)."""
     from transformers import __version__ as transformers_version
@@ -260,13 +272,17 @@ def _convert(name: str, target: Path) -> None:
         for stale in models_dir.glob(f".{name}.tmp-*"):  # left by killed runs; we hold the lock
             _discard(stale)
         tmp = models_dir / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        bar = tqdm(total=len(_CONVERSION_STEPS), desc=f"converting {name}", unit="step")
         try:
             start = time.perf_counter()
             gguf_dir = tmp / "gguf"
             gguf_dir.mkdir(parents=True)
+            _step(bar, 0)
             gguf_path = _gguf_file(name, source, gguf_dir)
             logger.info("converting %s (%s) from %s into %s", name, source.origin, gguf_path, target)
+            _step(bar, 1)
             fixups = _convert_into(gguf_path, tmp)
+            _step(bar, 2)
             marker = {
                 "name": name,
                 "origin": source.origin,
@@ -279,14 +295,17 @@ def _convert(name: str, target: Path) -> None:
                 "seconds": round(time.perf_counter() - start, 1),
             }
             _discard(gguf_dir)
+            _step(bar, 3)
             (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2, default=repr))  # last file written
             if target.exists():  # an incomplete directory (no marker): move it aside, then swap in ours
                 stale = models_dir / f".{name}.tmp-stale-{uuid.uuid4().hex[:8]}"
                 os.replace(target, stale)
                 _discard(stale)
             os.replace(tmp, target)
+            bar.update(1)
             logger.info("converted %s in %.1f s -> %s", name, marker["seconds"], target)
         finally:
+            bar.close()
             _discard(tmp)  # no-op after a successful rename
 
 

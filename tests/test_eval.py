@@ -387,12 +387,14 @@ def test_checkpoint_resumes_same_settings_only(tmp_path):
     assert not path.exists()
 
 
-def test_auto_calibration_calibrates_for_the_spec(lm, tmp_path, monkeypatch):
+def test_auto_calibration_calibrates_for_the_spec(lm, tmp_path, monkeypatch, capsys):
     from qcache.calibfile import load_calibration
 
     monkeypatch.setenv("QCACHE_HOME", str(tmp_path))
     spec = compare.CacheSpec.parse("quant:2:calibration=auto,outliers=1")
     options = compare._auto_calibration(lm, spec)
+    progress = capsys.readouterr().err
+    assert "calibration forward" in progress and "fit layers" in progress and "100%" in progress  # tqdm bars
     path = Path(options["calibration"])
     assert path.parent == tmp_path / "calibration" and path.is_file() and options["outliers"] == "1"
     data = load_calibration(path)
@@ -421,3 +423,35 @@ def test_checkpoint_extends_a_finished_report(tmp_path):
     other = tmp_path / "other.partial.json"
     with pytest.raises(ValueError, match="other settings"):
         compare.Checkpoint(other, {"model": "m", "samples": 8}, resume=True, report=report)
+
+
+def test_compare_keeps_library_warnings(tiny_dir, tmp_path):
+    """Without --verbose only lm-eval's per-row INFO lines are dropped: its warnings (here: a metric without an
+    aggregation function) still reach the log, and no library's logger level is changed wholesale."""
+    import logging
+
+    class Keep(logging.Handler):
+        records = []
+
+        def emit(self, record):
+            Keep.records.append(record)
+
+    names = ("lm_eval", "transformers", "datasets")
+    saved = {name: logging.getLogger(name).level for name in names}
+    handler = Keep(level=logging.DEBUG)
+    logging.getLogger("lm_eval").addHandler(handler)
+    try:
+        for name in names:
+            logging.getLogger(name).setLevel(logging.INFO)
+        compare.main(["--model", tiny_dir, "--caches", "--retrieval-caches", "default", "--retrieval-tasks",
+                      "qcache_passkey", "--lengths", "160", "--samples", "1", "--max-gen-toks", "2",
+                      "--chunk-size", str(CHUNK), "--out", str(tmp_path / "quiet")])
+        after = {name: logging.getLogger(name).level for name in names}
+    finally:
+        logging.getLogger("lm_eval").removeHandler(handler)
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+    assert after == {name: logging.INFO for name in names}
+    warnings = [r for r in Keep.records if r.levelno == logging.WARNING]
+    assert any("No aggregation function defined for metric exact_match@160" in r.getMessage() for r in warnings)
+    assert not [r for r in Keep.records if r.levelno == logging.INFO and r.name in compare.QUIET_INFO_LOGGERS]
