@@ -17,15 +17,18 @@ writes a model directory the way llm-compressor / compressed-tensors checkpoints
     <out>/qcache-kv-scales.json       where the scales came from: calibration file and sha256, ranges, scales
     <out>/...                         every other file of the model directory (tokenizer, generation config)
 
-The scale of a tensor is what vLLM divides by before casting to fp8 e4m3 (and multiplies by after): the largest
-|value| the calibration run saw, over 448 (e4m3's largest finite value), per layer (tensor) or per layer and KV head
-(attn_head). vLLM writes keys into its cache after RoPE, so the key ranges are those of post-RoPE keys, which the
-calibration run records (`k_absmax` / `v_absmax` in the calibration file, format 2; an older file has none and is
-refused with the command that makes a new one).
+The scale of a tensor is what vLLM divides by before casting to fp8 e4m3 (and multiplies by after):
+headroom x the largest |value| the calibration run saw / 448 (e4m3's largest finite value), per layer (tensor) or per
+layer and KV head (attn_head). vLLM writes keys into its cache after RoPE, so the key ranges are those of post-RoPE
+keys, which the calibration run records (`k_absmax` / `v_absmax` in the calibration file, format 2; an older file
+has none and is refused with the command that makes a new one).
 
 What the fp8 round trip then costs, for a value x within the range: e4m3 keeps 3 mantissa bits, so
 |fp8(x / s) * s - x| <= 2**-4 * |x| where |x| / s >= 2**-6 (normal numbers) and <= 2**-10 * s below (subnormals);
-values beyond the calibrated range saturate at +-448 * s in vLLM's conversion.
+values beyond 448 * s saturate there in vLLM's conversion, and text the calibration never saw does go beyond the
+calibrated range, where saturating costs far more than rounding. Hence `headroom=2` by default: a power of two
+rounds every value in range exactly as headroom 1 does (one binade more on top, one fewer at the bottom, where
+only values below 1/14336 of the calibrated range lose relative precision).
 
 Example:
     >>> export_vllm("smollm2-135m", "smollm2.qcache.safetensors", "smollm2-fp8kv")   # doctest: +SKIP
@@ -38,6 +41,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -64,11 +68,13 @@ _PROJECTION = re.compile(r"^(?P<prefix>.*\.layers\.(?P<layer>\d+)\.[^.]+)\.(?:k_
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """How the scales are laid out.
+    """How the scales are laid out and sized.
 
     Args:
         strategy: "tensor" (one k_scale and one v_scale per layer, what every vLLM attention backend reads) or
             "attn_head" (one per layer and KV head; vLLM reads it with the FlashAttention backend).
+        headroom: the range covered, as a multiple of the calibrated one (>= 1; see the module docstring for why
+            the default is 2).
 
     Example:
         >>> ExportOptions(strategy="attn_head").strategy
@@ -76,10 +82,14 @@ class ExportOptions:
     """
 
     strategy: str = "tensor"
+    headroom: float = 2.0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not supported; allowed values: {list(STRATEGIES)}")
+        if isinstance(self.headroom, bool) or not isinstance(self.headroom, (int, float)) or not (
+                math.isfinite(self.headroom) and self.headroom >= 1):
+            raise ValueError(f"headroom={self.headroom!r} must be a finite number >= 1")
 
 
 def kv_cache_scheme(strategy: str) -> dict:
@@ -104,20 +114,22 @@ def quantization_config(strategy: str, existing: dict | None = None) -> dict:
     return {**existing, "kv_cache_scheme": scheme}
 
 
-def fp8_scales(absmax: torch.Tensor, strategy: str) -> list[torch.Tensor]:
-    """[L, H] ranges -> one float32 scale tensor per layer: [1] (tensor) or [H, 1, 1] (attn_head), absmax / 448.
+def fp8_scales(absmax: torch.Tensor, strategy: str, headroom: float = 1.0) -> list[torch.Tensor]:
+    """[L, H] ranges -> one float32 scale tensor per layer: [1] (tensor) or [H, 1, 1] (attn_head),
+    headroom * absmax / 448.
 
     A range of 0 (a head whose values were all 0) gets the smallest positive float32, so vLLM's check for
     positive scales holds and 0 still maps to 0."""
-    ExportOptions(strategy)
+    ExportOptions(strategy, headroom)
     if absmax.dim() != 2 or not bool(torch.isfinite(absmax).all()) or bool((absmax < 0).any()):
         raise ValueError(f"ranges must be finite, >= 0, of shape [layers, kv_heads]; got {list(absmax.shape)}")
     tiny = torch.finfo(torch.float32).tiny
+    covered = absmax.float() * headroom
     if strategy == "tensor":
-        per_layer = absmax.float().amax(dim=1, keepdim=True)  # [L, 1]
+        per_layer = covered.amax(dim=1, keepdim=True)  # [L, 1]
         return [(row / FP8_E4M3_MAX).clamp(min=tiny) for row in per_layer]
     # [L, H] -> [L, H, 1, 1]: compressed-tensors' per-head layout (vLLM flattens it to [num_kv_heads])
-    return [(row / FP8_E4M3_MAX).clamp(min=tiny) for row in absmax.float()[:, :, None, None]]
+    return [(row / FP8_E4M3_MAX).clamp(min=tiny) for row in covered[:, :, None, None]]
 
 
 def _weight_names(model_dir: Path) -> dict[str, str]:
@@ -211,8 +223,8 @@ def export_vllm(model: str | os.PathLike, calibration, out: str | os.PathLike,
     raw_config["quantization_config"] = quantization_config(options.strategy, raw_config.get("quantization_config"))
     names = _weight_names(model_dir)
     prefixes = attention_prefixes(names, int(text_config.num_hidden_layers))
-    k_scales = fp8_scales(data.kv_ranges["k_absmax"], options.strategy)
-    v_scales = fp8_scales(data.kv_ranges["v_absmax"], options.strategy)
+    k_scales = fp8_scales(data.kv_ranges["k_absmax"], options.strategy, options.headroom)
+    v_scales = fp8_scales(data.kv_ranges["v_absmax"], options.strategy, options.headroom)
     scales = {}
     for prefix, k, v in zip(prefixes, k_scales, v_scales):
         scales[f"{prefix}.k_scale"], scales[f"{prefix}.v_scale"] = k.contiguous(), v.contiguous()
@@ -249,7 +261,8 @@ def export_vllm(model: str | os.PathLike, calibration, out: str | os.PathLike,
         provenance = {
             "calibration": data.path, "calibration_sha256": _sha256(Path(data.path)) if data.path else None,
             "calibration_settings": data.settings, "model": str(model), "strategy": options.strategy,
-            "fp8": "e4m3 (float8_e4m3fn), largest finite value 448", "scale": "absmax / 448, keys after RoPE",
+            "headroom": options.headroom, "fp8": "e4m3 (float8_e4m3fn), largest finite value 448",
+            "scale": "headroom * absmax / 448, keys after RoPE",
             "k_absmax": data.kv_ranges["k_absmax"].tolist(), "v_absmax": data.kv_ranges["v_absmax"].tolist(),
             "scales": {name: t.flatten().tolist() for name, t in scales.items()},
             "vllm": vllm_commands(out, options.strategy),
@@ -276,9 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--strategy", choices=STRATEGIES, default="tensor",
                    help="tensor: one scale per layer (every vLLM backend); attn_head: one per layer and KV head "
                         "(vLLM's FlashAttention backend)")
+    v.add_argument("--headroom", type=float, default=2.0,
+                   help="range covered as a multiple of the calibrated one (>= 1; default 2: same rounding, room "
+                        "for text beyond the calibration's range)")
     args = p.parse_args(argv)
+    try:
+        options = ExportOptions(strategy=args.strategy, headroom=args.headroom)
+    except ValueError as err:
+        p.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    out = export_vllm(args.model, args.calibration, args.out, ExportOptions(strategy=args.strategy))
+    out = export_vllm(args.model, args.calibration, args.out, options)
     print(f"wrote {out}; serve it with vLLM (not installed here):")
     for line in vllm_commands(out, args.strategy):
         print(f"  {line}")

@@ -115,9 +115,10 @@ def test_scales_cover_the_post_rope_ranges(setup, tmp_path):
     for i, (keys, values) in recorded.items():
         k_max = keys.abs().amax(dim=(0, 2, 3))  # [B, H, T, D] -> [H]
         v_max = values.abs().amax(dim=(0, 2, 3))
-        torch.testing.assert_close(scales[f"model.layers.{i}.self_attn.k_scale"].flatten() * FP8_E4M3_MAX, k_max,
+        covered = FP8_E4M3_MAX / ExportOptions().headroom  # the calibrated range, without the default headroom
+        torch.testing.assert_close(scales[f"model.layers.{i}.self_attn.k_scale"].flatten() * covered, k_max,
                                    rtol=1e-5, atol=0)
-        torch.testing.assert_close(scales[f"model.layers.{i}.self_attn.v_scale"].flatten() * FP8_E4M3_MAX, v_max,
+        torch.testing.assert_close(scales[f"model.layers.{i}.self_attn.v_scale"].flatten() * covered, v_max,
                                    rtol=1e-5, atol=0)
         pre_max = pre_rope[i]["keys"].abs().amax(dim=(1, 2))  # [H, N, D] -> [H]
         differs += int(not torch.allclose(pre_max, k_max, rtol=1e-3))
@@ -152,9 +153,28 @@ def test_fp8_round_trip_error_is_as_predicted(setup, tmp_path, strategy):
     assert abs(measured_rms / predicted_rms - 1) < 0.05, (measured_rms, predicted_rms)
 
 
+@pytest.mark.parametrize("headroom, saturates", [(2.0, False), (4.0, False), (0.5, True)])
+def test_headroom_is_free_in_range(setup, headroom, saturates):
+    """A power-of-two headroom rounds every value that stays a normal e4m3 number exactly as headroom 1 does; the
+    calibrated range itself never saturates with headroom >= 1 (0.5 is below the allowed 1, built by hand)."""
+    family, model, model_dir, calib = setup
+    data = load_calibration(calib)
+    for i, (keys, values) in record_kv(model, calibration_ids()).items():
+        for x, name in ((keys, "k_absmax"), (values, "v_absmax")):
+            base = per_head(fp8_scales(data.kv_ranges[name], "attn_head")[i], x.shape[1])
+            scaled = per_head(data.kv_ranges[name][i] * headroom / FP8_E4M3_MAX, x.shape[1])
+            normal = (x.float() / scaled).abs() >= E4M3_MIN_NORMAL
+            same = fp8_round_trip(x, scaled)[normal] == fp8_round_trip(x, base)[normal]
+            assert bool(same.all()) != saturates
+    if saturates:
+        with pytest.raises(ValueError, match="headroom=0.5 must be a finite number >= 1"):
+            ExportOptions(headroom=headroom)
+
+
 def test_fp8_scales_layouts():
     absmax = torch.tensor([[1.0, 4.0], [0.0, 0.0]])  # [L, H]; the second layer saw only zeros
     tensor, head = fp8_scales(absmax, "tensor"), fp8_scales(absmax, "attn_head")
+    assert torch.equal(fp8_scales(absmax, "tensor", headroom=2.0)[0], 2 * tensor[0])
     assert [t.shape for t in tensor] == [(1,), (1,)] and [t.shape for t in head] == [(2, 1, 1), (2, 1, 1)]
     assert torch.equal(tensor[0], torch.tensor([4.0]) / 448)
     assert torch.equal(head[0].flatten(), torch.tensor([1.0, 4.0]) / 448)
