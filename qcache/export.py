@@ -249,6 +249,7 @@ def export_vllm(model: str | os.PathLike, calibration, out: str | os.PathLike,
         if (model_dir / _INDEX).is_file():
             index = json.loads((model_dir / _INDEX).read_text())
             save_file(scales, str(tmp / SCALES_FILE), metadata={"format": "pt"})
+            shutil.copymode(model_dir / _INDEX, tmp / SCALES_FILE)  # readable like the other files
             index["weight_map"].update({name: SCALES_FILE for name in scales})
             (tmp / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         else:
@@ -257,6 +258,7 @@ def export_vllm(model: str | os.PathLike, calibration, out: str | os.PathLike,
             with safe_open(str(model_dir / _SINGLE), framework="pt") as f:
                 metadata = f.metadata() or {"format": "pt"}
             save_file({**load_file(model_dir / _SINGLE), **scales}, str(tmp / _SINGLE), metadata=metadata)
+            shutil.copymode(model_dir / _SINGLE, tmp / _SINGLE)
         (tmp / "config.json").write_text(json.dumps(raw_config, indent=2, sort_keys=True) + "\n")
         provenance = {
             "calibration": data.path, "calibration_sha256": _sha256(Path(data.path)) if data.path else None,
