@@ -116,8 +116,10 @@ BAD = {
     "fingerprint-not-object": (_meta("model", lambda m: [m]), r"metadata 'model' is a list, not a JSON object"),
     "bad-options": (_meta("options", lambda o: {**o, "k_bits": 5}),
                     r"metadata 'options' are not valid.*k_bits=5 is not supported; allowed values: \[2, 3, 4, 8\]"),
-    "unknown-option": (_meta("options", lambda o: {**o, "turbo": True}), r"unknown QuantCacheConfig options \['turbo'\]"),
-    "layer-out-of-range": (_meta("layers", lambda ids: ids + [9]), r"metadata 'layers' \[9\] outside the model's layers"),
+    "unknown-option": (_meta("options", lambda o: {**o, "turbo": True}),
+                       r"unknown QuantCacheConfig options \['turbo'\]"),
+    "layer-out-of-range": (_meta("layers", lambda ids: ids + [9]),
+                           r"metadata 'layers' \[9\] outside the model's layers"),
     "unreadable-json": (lambda t, m: m.update(settings="{oops"), r"unreadable metadata"),
     "missing-codebook": (_drop("layers.1.v_codebook"), r"missing tensors \['layers.1.v_codebook'\]"),
 }
