@@ -128,3 +128,11 @@ def test_gemma3_config_has_sliding_and_full_layers():
     assert config.max_position_embeddings == 32768
     assert (config.head_dim, config.num_key_value_heads, config.num_attention_heads) == (256, 1, 4)
     assert config.tie_word_embeddings
+
+
+def test_conversion_shows_a_progress_bar(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(models, "_convert_into", _fake_convert_into([]))
+    resolve_model("smollm2-135m", cache_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert "converting smollm2-135m" in err and "4/4" in err
+    assert all(step in err for step in models._CONVERSION_STEPS)
