@@ -47,7 +47,7 @@ class Quantized(NamedTuple):
 
 def rotate_planes(planes: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
     """RoPE on channel planes with half-width cos/sin [B or 1, n, R/2]: plane i of the first half and plane i of the
-    second half are RoPE pairs, rotated with `apply_rope_into`'s arithmetic (x1 cos - x2 sin, x2 cos + x1 sin).
+    second half are RoPE pairs, rotated with `rotate_half_width`'s arithmetic (x1 cos - x2 sin, x2 cos + x1 sin).
     Partial rotary (R < D) or planes that do not align with R/2 rotate the concatenated planes (one plane back)."""
     w, n = planes[0].shape[-1], len(planes)
     if 2 * cos.shape[-1] != n * w or n % 2:

@@ -36,7 +36,6 @@ __all__ = [
     "code_planes",
     "select_outliers",
     "scatter_outliers",
-    "packed_size",
     "pack_2bit_u8",
     "unpack_2bit_u8",
     "pack_3bit_u8",
@@ -143,12 +142,6 @@ UNPACKERS = {2: unpack_2bit_u8, 3: unpack_3bit_u8, 4: unpack_4bit_u8, 8: unpack_
 def _check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported; allowed values: {list(SUPPORTED_BITS)}")
-
-
-def packed_size(n: int, bits: int) -> int:
-    """Bytes that `n` codes of `bits` bits take once packed."""
-    _check_bits(bits)
-    return n * bits // 8
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

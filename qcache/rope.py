@@ -70,22 +70,9 @@ def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return apply_rope(x, cos / norm, -sin / norm)
 
 
-def apply_rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """`out[...] = apply_rope(x, cos, sin)` (cast to out's dtype) without the temporaries of rotate_half: each half
-    is computed once and written straight into `out` (same arithmetic, so the same values)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, R]
-    r = cos.shape[-1]
-    h = r // 2
-    x1, x2 = x[..., :h], x[..., h:r]
-    out[..., :h] = x1 * cos[..., :h] - x2 * sin[..., :h]
-    out[..., h:r] = x2 * cos[..., h:] + x1 * sin[..., h:]
-    if r < x.shape[-1]:
-        out[..., r:] = x[..., r:]
-
-
 def rotate_half_width(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, n, D] by half-width cos/sin [B or 1, n, R/2] (channel i pairs with i + R/2, R <= D; the
-    dims past R pass through), with `apply_rope_into`'s arithmetic."""
+    dims past R pass through), as attention's x * cos + rotate_half(x) * sin, one half at a time (no rotate_half temporary)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, n, R/2]
     h = cos.shape[-1]
     x1, x2 = x[..., :h], x[..., h:2 * h]

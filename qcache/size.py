@@ -1,6 +1,6 @@
 """KV-cache sizing table: bytes per token, GiB at a context, requests that fit a memory budget, per format.
 
-    python -m qcache.size smollm2-135m
+    python -m qcache.size smollm2-135m            (or --model smollm2-135m)
     python -m qcache.size path/to/model_dir --budget-gib 40 --request-tokens 32768
     python -m qcache.size --layers 32 --kv-heads 8 --head-dim 128 --context 131072 --json
 
@@ -15,11 +15,10 @@ Plain formats store every cached value at a fixed size; per token that is
 | q8_0   | 1.0625      | llama.cpp: 32 int8 + one fp16 scale      |
 | q4_0   | 0.5625      | llama.cpp: 32 4-bit + one fp16 scale     |
 
-qcache rows come from `QuantCacheConfig.bytes_per_token` (packed codes, scales/zeros, the full-precision sink,
-recent and filling-block tokens, the int32 position per token), so they depend on the context they are averaged over.
+qcache rows come from `QuantCacheConfig.bytes_per_token` (packed codes, scales/zeros, outliers, the full-precision
+sink, recent and filling-block tokens, one position per row), so they depend on the context they are averaged over.
 
-Sliding-window layers (`layer_types` with "sliding_attention" or "chunked_attention") hold at most `sliding_window`
-tokens, so at long context they cost a constant; every "per token" figure here is total bytes / context. Under qcache
+Sliding-window layers (`layer_types` with "sliding_attention") hold at most `sliding_window` tokens, so at long context they cost a constant; every "per token" figure here is total bytes / context. Under qcache
 they follow `QuantCacheConfig.sliding_layers`: "native" keeps them in 16-bit, "quantized" quantizes them.
 
 Units are binary: KiB = 1024 B, GiB = 1024**3 B.
@@ -72,19 +71,9 @@ PLAIN_FORMATS = {  # name -> bytes per stored value
 QCACHE_FORMATS = {f"qcache-{b}bit": b for b in sorted(SUPPORTED_BITS, reverse=True)}  # name -> bits
 FORMATS = (*PLAIN_FORMATS, *QCACHE_FORMATS)
 
-# transformers layer_types -> which kind of per-token KV the layer keeps (None: no per-token KV cache)
-LAYER_KINDS = {
-    "full_attention": "full",
-    "hybrid": "full",  # linear-attention state (fixed size, not counted) + full attention
-    "sliding_attention": "sliding",
-    "chunked_attention": "sliding",  # cached like a sliding window of attention_chunk_size
-    "hybrid_sliding": "sliding",
-    "linear_attention": None,
-    "conv": None,
-    "moe": None,
-    "mlp": None,
-    "dummy": None,
-}
+# transformers layer_types QuantCache supports -> which kind of per-token KV the layer keeps (any other layer type is
+# refused by QuantCache, and by this table)
+LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -181,10 +170,10 @@ class Geometry:
     def from_config(cls, config: Any) -> "Geometry":
         """Read the geometry from a transformers config (its text config for multimodal models).
 
-        Layers come from `layer_types` when the config has it: "sliding_attention"/"chunked_attention" layers are
-        bounded by `sliding_window`/`attention_chunk_size`; layers without a per-token KV cache (linear attention,
-        conv, KV shared with another layer) are left out. Without `layer_types`, all `num_hidden_layers` layers are
-        sliding when the config sets a `sliding_window` (as transformers' cache does), full otherwise.
+        Layers come from `layer_types` when the config has it: "sliding_attention" layers are bounded by
+        `sliding_window`; any other layer type is refused (QuantCache supports only these two). Without
+        `layer_types`, all `num_hidden_layers` layers are sliding when the config sets a `sliding_window` (as
+        transformers' cache does), full otherwise.
         """
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = getattr(text, "num_attention_heads", None)
@@ -198,7 +187,7 @@ class Geometry:
                     "cannot work out head_dim"
                 )
             head_dim = hidden // heads
-        window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+        window = getattr(text, "sliding_window", None)
 
         layer_types = getattr(text, "layer_types", None)
         if layer_types is None:
@@ -207,17 +196,13 @@ class Geometry:
                 raise ValueError(f"config has num_hidden_layers={n!r}; need a positive integer")
             default = "sliding_attention" if window is not None else "full_attention"
             layer_types = [default] * n
-        sharing = getattr(text, "kv_sharing_modes", None)
-        if sharing is not None:  # layers that reuse another layer's KV keep none of their own
-            layer_types = ["dummy" if mode == "reuse" else t for t, mode in zip(layer_types, sharing)]
         unknown = sorted(set(layer_types) - set(LAYER_KINDS))
         if unknown:
-            raise ValueError(f"config has layer_types {unknown} this table cannot size; supported: {list(LAYER_KINDS)}")
+            raise ValueError(f"config has layer_types {unknown}, which QuantCache does not support (nor this table); "
+                             f"supported: {list(LAYER_KINDS)}")
         kinds = [LAYER_KINDS[t] for t in layer_types]
         sliding = kinds.count("sliding") if window is not None else 0  # no window: a "sliding" layer keeps everything
-        layers = kinds.count("full") + kinds.count("sliding")
-        if layers == 0:
-            raise ValueError(f"config has no layer with a per-token KV cache (layer_types={sorted(set(layer_types))})")
+        layers = len(kinds)
         return cls(layers, kv_heads, head_dim, sliding, window if sliding else None)
 
     def describe(self) -> str:
@@ -400,6 +385,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None,
                    help="short model name (e.g. smollm2-135m, gemma3-270m), a local HF model directory, or a "
                         "config.json path; or give --layers/--kv-heads/--head-dim instead")
+    p.add_argument("--model", dest="model_option", metavar="MODEL", default=None,
+                   help="the same as the positional MODEL")
     p.add_argument("--layers", type=int, help="explicit geometry: layers with a KV cache")
     p.add_argument("--kv-heads", type=int, help="explicit geometry: key/value heads per layer")
     p.add_argument("--head-dim", type=int, help="explicit geometry: channels per head")
@@ -431,6 +418,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> dict:
     """Everything main prints, as a dict; raises ValueError on bad input."""
+    if args.model is not None and args.model_option is not None and args.model != args.model_option:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    args.model = args.model or args.model_option
     explicit = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
     given = [name for name, value in explicit.items() if value is not None]
     weights_bytes = None

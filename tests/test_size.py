@@ -182,7 +182,6 @@ def test_qcache_sliding_mode(mode):
 
 @pytest.mark.parametrize("kwargs,expected", [
     ({"sliding_window": None}, (6, 0, None)),  # no window: every layer keeps every token
-    ({"layer_types": ["full_attention", "linear_attention"] * 3}, (3, 0, None)),  # linear attention: no KV
     ({"layer_types": ["sliding_attention", "full_attention"] * 3}, (6, 3, 512)),
 ])
 def test_geometry_from_config_layer_types(kwargs, expected):
@@ -194,6 +193,24 @@ def test_geometry_from_config_layer_types(kwargs, expected):
     g = Geometry.from_config(config)
     assert (g.layers, g.sliding_layers, g.sliding_window) == expected
     assert g.head_dim == 64  # hidden_size // num_attention_heads
+
+
+def test_layer_types_quantcache_refuses_are_refused_here_too():
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig(num_hidden_layers=4, num_attention_heads=4, hidden_size=256,
+                              layer_types=["full_attention", "linear_attention"] * 2)
+    with pytest.raises(ValueError, match=r"\['linear_attention'\].*supported: \['full_attention', 'sliding_attention'\]"):
+        Geometry.from_config(config)
+
+
+def test_model_option_is_the_positional_model(capsys):
+    from qcache.size import main
+
+    assert main(["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--context", "1024"]) == 0
+    with pytest.raises(SystemExit):
+        main(["a-model", "--model", "another-model"])
+    assert "two models given" in capsys.readouterr().err
 
 
 def test_geometry_from_config_kv_heads_falls_back_to_attention_heads():
