@@ -67,6 +67,23 @@ def test_quant_cache_refuses_an_old_transformers(monkeypatch):
         QuantCache(bits=4)
 
 
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_both_keywords_reach_the_cache_in_a_forward(llama, keyword):
+    cache = QuantCache(llama.config, **OPTS)
+    with torch.no_grad():
+        llama(_ids(1, 40), use_cache=True, **{keyword: cache})
+    assert cache.get_seq_length() == 40 and cache.layers[0].quantized_length == 16
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_both_keywords_reach_the_cache_in_generate(llama, keyword):
+    """As the README writes it: `generate(..., past_key_values=QuantCache(bits=...))` (no config)."""
+    cache = QuantCache(**OPTS)
+    with torch.no_grad():
+        out = llama.generate(_ids(1, 40), max_new_tokens=10, min_new_tokens=10, do_sample=False, **{keyword: cache})
+    assert out.shape == (1, 50) and cache.get_seq_length() == 49 and cache.layers[0].quantized_length == 32
+
+
 # ---------------------------------------------------------------------------------------------------------
 # a cache handed to a model that does not use it
 # ---------------------------------------------------------------------------------------------------------

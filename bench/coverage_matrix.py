@@ -1,0 +1,431 @@
+"""Model coverage matrix: QuantCache at 8 bits against DynamicCache on a tiny random model of each decoder family.
+
+    python bench/coverage_matrix.py                       # every family, writes docs/results/coverage.{md,json}
+    python bench/coverage_matrix.py --families llama gpt_neox --out /tmp/coverage
+
+For each family: a tiny random model built from a config (2 layers, hidden 64, vocab 128, fp32, weights from
+`torch.manual_seed(0)` with the config's `initializer_range` 0.02), a prompt of 48 random tokens, then 40 greedy steps
+through `generate(cache=...)` once with `DynamicCache` and once with
+`QuantCache(bits=8, sink_tokens=4, recent_tokens=16, k_group_size=16)`: 4 sinks + 16 recent tokens + the block being
+filled leave 16 prompt tokens quantized after the prefill and 64 after the 40 steps, so the steps read quantized
+keys and values. The outcome is one of
+
+    match      max |delta logit| over the 40 steps <= LOGIT_TOLERANCE x the std of the reference logits, quantized
+               tokens in the cache, and the same 40 greedy tokens; or tokens that part at a near tie: a step where
+               DynamicCache's own top-2 margin is under 2 x LOGIT_TOLERANCE x std, which any cache within the
+               tolerance may break either way (the logits are then compared along DynamicCache's tokens, fed one
+               at a time through a fresh QuantCache, as generate feeds them)
+    refused    a ValueError raised by the first forward, before the cache stored anything
+    failed     anything else: different tokens or logits, nothing quantized, another exception, or an error after
+               the cache stored tokens
+
+`tests/test_coverage.py` runs the same checks per family. Not a test itself: it writes the table the README shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import platform
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["Family", "Outcome", "FAMILIES", "LOGIT_TOLERANCE", "CACHE_OPTIONS", "tiny_config", "build_model",
+           "check_family", "lossy_control", "render_markdown", "main"]
+
+log = logging.getLogger("coverage_matrix")
+
+CACHE_OPTIONS = dict(bits=8, sink_tokens=4, recent_tokens=16, k_group_size=16)
+PROMPT_TOKENS = 48
+STEPS = 40
+# max |delta logit| allowed, as a fraction of the std of the reference logits; `lossy_control` measures, per family,
+# what a cache that loses the quantized region at decode does to the same number (the table's last column)
+LOGIT_TOLERANCE = 0.05
+
+# shared by every family; a config takes the fields it has (by name or through its attribute_map). Mixture-of-experts
+# configs get 4 experts, all active: top-k routing is discontinuous, a near tie between experts turns any small
+# change of the hidden state (8-bit noise included) into another expert and a jump in the logits that says nothing
+# about the cache.
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=128, max_position_embeddings=512, initializer_range=0.02,
+            pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=False,
+            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, n_group=1, topk_group=1)
+SLIDING_THEN_FULL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=32)
+# multi-head latent attention: 4 heads of 16 + 8 rotary channels from a 32-wide latent
+MLA = dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+           v_head_dim=16, first_k_dense_replace=1)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder family: a short key (test id, --families), its name in the table, model_type, config overrides on
+    top of TINY, and a note for the table."""
+
+    key: str
+    name: str
+    model_type: str
+    overrides: dict = field(default_factory=dict)
+    note: str = ""
+
+
+FAMILIES: tuple[Family, ...] = (
+    # the families named in the README and issues first, then the rest of the installed decoders that build
+    # offline from a config (no hub access) and whose attention uses the cache
+    Family("llama", "Llama", "llama"),
+    Family("mistral", "Mistral", "mistral", dict(sliding_window=None)),
+    Family("mistral_sliding", "Mistral, sliding window 32", "mistral", dict(sliding_window=32),
+           "window shorter than the text"),
+    Family("mixtral", "Mixtral", "mixtral", dict(sliding_window=None), "MoE"),
+    Family("qwen2", "Qwen2", "qwen2"),
+    Family("qwen2_moe", "Qwen2-MoE", "qwen2_moe", note="MoE"),
+    Family("qwen3", "Qwen3", "qwen3", note="q/k norm"),
+    Family("qwen3_moe", "Qwen3-MoE", "qwen3_moe", note="MoE, q/k norm"),
+    Family("gemma", "Gemma", "gemma"),
+    Family("gemma2", "Gemma 2", "gemma2", dict(SLIDING_THEN_FULL, query_pre_attn_scalar=16),
+           "sliding + full layers, attention softcapping"),
+    Family("gemma3_text", "Gemma 3 (text)", "gemma3_text", dict(SLIDING_THEN_FULL, query_pre_attn_scalar=16),
+           "sliding + full layers, RoPE per layer type, q/k norm"),
+    Family("gemma4_text", "Gemma 4 (text)", "gemma4_text", dict(SLIDING_THEN_FULL),
+           "sliding + full layers, head_dim per layer type, partial rotary"),
+    Family("vaultgemma", "VaultGemma", "vaultgemma", dict(SLIDING_THEN_FULL, query_pre_attn_scalar=16),
+           "sliding + full layers"),
+    Family("phi3", "Phi-3", "phi3", dict(sliding_window=None)),
+    Family("phimoe", "PhiMoE", "phimoe", dict(sliding_window=None), "MoE"),
+    Family("phi", "Phi", "phi", note="partial rotary (50 %)"),
+    Family("olmo", "OLMo", "olmo"),
+    Family("olmo2", "OLMo 2", "olmo2", note="q/k norm"),
+    Family("olmo3", "OLMo 3", "olmo3", dict(SLIDING_THEN_FULL), "sliding + full layers, q/k norm"),
+    Family("olmoe", "OLMoE", "olmoe", note="MoE, q/k norm"),
+    Family("flex_olmo", "FlexOlmo", "flex_olmo", note="MoE, q/k norm"),
+    Family("granite", "Granite", "granite"),
+    Family("granitemoe", "GraniteMoE", "granitemoe", note="MoE"),
+    Family("granitemoeshared", "GraniteMoE (shared experts)", "granitemoeshared", note="MoE"),
+    Family("stablelm", "StableLM", "stablelm", note="partial rotary (25 %)"),
+    Family("gpt_neox", "GPT-NeoX", "gpt_neox", note="partial rotary (25 %)"),
+    Family("persimmon", "Persimmon", "persimmon", note="partial rotary (50 %), q/k norm"),
+    Family("nemotron", "Nemotron", "nemotron", note="partial rotary (50 %)"),
+    Family("starcoder2", "Starcoder2", "starcoder2", dict(sliding_window=None)),
+    Family("cohere", "Cohere", "cohere"),
+    Family("cohere2", "Cohere2", "cohere2", dict(SLIDING_THEN_FULL), "sliding + full layers"),
+    Family("falcon", "Falcon", "falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    Family("gptj", "GPT-J", "gptj", dict(rotary_dim=8), "rotary on 8 of 16 channels"),
+    Family("codegen", "CodeGen", "codegen", dict(rotary_dim=8), "rotary on 8 of 16 channels"),
+    Family("smollm3", "SmolLM3", "smollm3", dict(no_rope_layers=[1, 0]), "layer 1 without RoPE (NoPE)"),
+    Family("glm", "GLM", "glm", note="partial rotary (50 %)"),
+    Family("glm4", "GLM-4", "glm4", note="partial rotary (50 %)"),
+    Family("glm4_moe", "GLM-4-MoE", "glm4_moe", dict(first_k_dense_replace=1), "MoE, partial rotary (50 %)"),
+    Family("helium", "Helium", "helium"),
+    Family("gpt_oss", "GPT-OSS", "gpt_oss", dict(SLIDING_THEN_FULL), "MoE, sliding + full layers, YaRN"),
+    Family("ministral", "Ministral", "ministral", dict(SLIDING_THEN_FULL), "sliding + full layers"),
+    Family("ministral3", "Ministral 3", "ministral3", note="YaRN"),
+    Family("exaone", "EXAONE", "exaone"),
+    Family("exaone4", "EXAONE 4", "exaone4", dict(SLIDING_THEN_FULL), "sliding + full layers, q/k norm"),
+    Family("internlm3", "InternLM3", "internlm3"),
+    Family("seed_oss", "Seed-OSS", "seed_oss"),
+    Family("hunyuan_v1_dense", "Hunyuan (dense)", "hunyuan_v1_dense"),
+    Family("hunyuan_v1_moe", "Hunyuan (MoE)", "hunyuan_v1_moe", note="MoE"),
+    Family("apertus", "Apertus", "apertus", note="llama3 RoPE, q/k norm"),
+    Family("arcee", "Arcee", "arcee"),
+    Family("bitnet", "BitNet", "bitnet", note="ternary weights, 8-bit activations"),
+    Family("doge", "Doge", "doge", note="q/k norm"),
+    Family("cwm", "CWM", "cwm", note="sliding + full layers, llama3 RoPE"),
+    Family("dots1", "dots.llm1", "dots1", dict(first_k_dense_replace=1, n_shared_experts=1), "MoE, q/k norm"),
+    Family("ernie4_5", "ERNIE 4.5", "ernie4_5"),
+    Family("jetmoe", "JetMoE", "jetmoe", note="MoE"),
+    Family("afmoe", "AFMoE", "afmoe", dict(SLIDING_THEN_FULL), "MoE, sliding + full layers, q/k norm"),
+    Family("kolibri1", "Kolibri", "kolibri1", dict(SLIDING_THEN_FULL),
+           "MoE, sliding + full layers, no RoPE on full layers"),
+    Family("minimax_m2", "MiniMax-M2", "minimax_m2", note="MoE, q/k norm"),
+    Family("solar_open", "Solar Open", "solar_open", note="MoE"),
+    Family("deepseek_v2", "DeepSeek-V2", "deepseek_v2", dict(MLA), "MLA, MoE"),
+    Family("deepseek_v3", "DeepSeek-V3", "deepseek_v3", dict(MLA), "MLA (caches the latent), MoE"),
+    Family("minicpm3", "MiniCPM3", "minicpm3", dict(MLA), "MLA (caches the latent)"),
+    Family("mimo_v2_flash", "MiMo-V2-Flash", "mimo_v2_flash", note="values wider than keys, sliding + full layers"),
+    Family("llama4_text", "Llama 4 (text)", "llama4_text", note="chunked attention layers, MoE"),
+    Family("falcon_h1", "Falcon-H1", "falcon_h1", note="hybrid: Mamba + attention in every layer"),
+    Family("qwen3_next", "Qwen3-Next", "qwen3_next", dict(layer_types=["linear_attention", "full_attention"]),
+           "hybrid: linear-attention + full layers"),
+    Family("gpt2", "GPT-2", "gpt2", note="learned positions"),
+    Family("gpt_bigcode", "GPT-BigCode", "gpt_bigcode", note="learned positions, MQA"),
+    Family("opt", "OPT", "opt", note="learned positions"),
+    Family("bloom", "BLOOM", "bloom", note="ALiBi"),
+    Family("xglm", "XGLM", "xglm", note="sinusoidal positions"),
+)
+
+
+@dataclass
+class Outcome:
+    """What one family did (see the module docstring for `kind`)."""
+
+    key: str
+    family: str
+    model_type: str
+    kind: str  # "match", "refused" or "failed"
+    detail: str  # the table's outcome text
+    max_dlogit: float | None = None
+    logit_std: float | None = None
+    tokens_equal: bool | None = None
+    first_different_step: int | None = None
+    margin_there: float | None = None  # DynamicCache's top-2 margin at that step, as a fraction of the logits' std
+    lossy_control: float | None = None  # max |delta logit| / std of a cache that drops the quantized region
+    control_error: str | None = None  # why the control could not run
+    quantized_tokens: int | None = None
+    error: str | None = None
+    traceback: list[str] | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _config_fields(cls) -> set[str]:
+    return set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "attribute_map", {}) or {})
+
+
+def tiny_config(family: Family):
+    """The family's config: the TINY fields it has, then the family's overrides."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[family.model_type]
+    known = _config_fields(cls)
+    kwargs = {k: v for k, v in TINY.items() if k in known}
+    kwargs.update(family.overrides)
+    return cls(**kwargs)
+
+
+def build_model(family: Family):
+    """A tiny random fp32 causal LM of the family (seed 0), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _prompt(model) -> torch.Tensor:
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return torch.randint(3, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))  # [1, P]
+
+
+@torch.no_grad()
+def _greedy(model, prompt: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """STEPS greedy tokens [STEPS] and their logits [STEPS, V] through `cache`."""
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=STEPS,
+                         min_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    return out.sequences[0, prompt.shape[1]:], torch.cat(out.logits).float()  # [STEPS], [STEPS, V]
+
+
+@torch.no_grad()
+def _teacher_forced(model, prompt: torch.Tensor, tokens: torch.Tensor, cache) -> torch.Tensor:
+    """Logits [STEPS, V] of the prompt and then `tokens` [STEPS] fed one at a time through `cache`."""
+    logits = [model(prompt, cache=cache, use_cache=True).logits[0, -1]]
+    for token in tokens[:-1]:
+        logits.append(model(token.view(1, 1), cache=cache, use_cache=True).logits[0, -1])
+    return torch.stack(logits).float()
+
+
+def _lossy_cache(config, keep_first: int, keep_last: int):
+    """A DynamicCache whose one-token steps attend to the first `keep_first` and the last `keep_last` tokens only
+    (full precision): what a cache that lost its quantized region would return."""
+    from transformers import DynamicCache
+
+    class LossyCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)  # [B, H, T, D]
+            if key_states.shape[2] == 1 and keys.shape[2] > keep_first + keep_last:
+                keys = torch.cat([keys[:, :, :keep_first], keys[:, :, -keep_last:]], dim=2)
+                values = torch.cat([values[:, :, :keep_first], values[:, :, -keep_last:]], dim=2)
+            return keys, values
+
+    return LossyCache(config=config)
+
+
+def lossy_control(family: Family) -> float:
+    """max |delta logit| / std of the reference logits for a cache that keeps the sinks and the full-precision
+    window of CACHE_OPTIONS but drops the region QuantCache quantizes (compared along DynamicCache's tokens): how far
+    outside LOGIT_TOLERANCE a cache that loses tokens lands."""
+    from transformers import DynamicCache
+
+    model = build_model(family)
+    prompt = _prompt(model)
+    return _lossy_ratio(model, prompt, *_greedy(model, prompt, DynamicCache(config=model.config)))
+
+
+def _lossy_ratio(model, prompt: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: torch.Tensor) -> float:
+    keep_last = CACHE_OPTIONS["recent_tokens"] + CACHE_OPTIONS["k_group_size"]
+    cache = _lossy_cache(model.config, CACHE_OPTIONS["sink_tokens"], keep_last)
+    logits = _teacher_forced(model, prompt, ref_tokens, cache)
+    return float((logits - ref_logits).abs().max() / ref_logits.std())
+
+
+def _frames(err: BaseException, n: int = 4) -> list[str]:
+    return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(err.__traceback__)[-n:]]
+
+
+def _stored_tokens(cache) -> int:
+    return sum(layer.get_seq_length() for layer in cache.layers if getattr(layer, "is_initialized", False))
+
+
+def _quantized_tokens(cache) -> int:
+    return sum(getattr(layer, "quantized_length", 0) or 0 for layer in cache.layers)
+
+
+def check_family(family: Family, control: bool = False) -> Outcome:
+    """Run the family through DynamicCache and QuantCache (8 bits) and classify what QuantCache did; with `control`,
+    a matching family also gets `lossy_control` (see there)."""
+    from transformers import DynamicCache
+
+    from qcache import QuantCache
+
+    start = time.perf_counter()
+    model = build_model(family)
+    prompt = _prompt(model)
+    ref_tokens, ref_logits = _greedy(model, prompt, DynamicCache(config=model.config))
+    outcome = Outcome(family.key, family.name, family.model_type, "failed", "")
+    cache = QuantCache(**CACHE_OPTIONS)
+    try:
+        tokens, logits = _greedy(model, prompt, cache)
+    except Exception as err:  # classified, not swallowed: every exception ends up in the table
+        outcome.error = f"{type(err).__name__}: {err}"
+        outcome.traceback = _frames(err)
+        stored = _stored_tokens(cache)
+        if isinstance(err, ValueError) and stored == 0:
+            outcome.kind, outcome.detail = "refused", f"refused: {outcome.error}"
+        elif isinstance(err, ValueError):
+            outcome.detail = f"failed: ValueError after {stored} tokens were stored: {err}"
+        else:
+            outcome.detail = f"failed: {outcome.error} (at {outcome.traceback[-1]})"
+        outcome.seconds = time.perf_counter() - start
+        return outcome
+    std = float(ref_logits.std())
+    outcome.logit_std = std
+    outcome.quantized_tokens = _quantized_tokens(cache)
+    outcome.tokens_equal = bool(torch.equal(tokens, ref_tokens))
+    near_tie = True
+    tokens_text = f"{STEPS}/{STEPS} tokens equal"
+    if not outcome.tokens_equal:  # compare the logits along DynamicCache's tokens
+        step = int((tokens != ref_tokens).nonzero()[0, 0])
+        top2 = ref_logits[step].topk(2).values
+        outcome.first_different_step = step
+        outcome.margin_there = float(top2[0] - top2[1]) / std
+        near_tie = outcome.margin_there < 2 * LOGIT_TOLERANCE
+        tokens_text = (f"tokens equal for {step} steps, then a {'near tie' if near_tie else 'different token'} "
+                       f"(DynamicCache's top-2 margin {outcome.margin_there:.2%} of the std)")
+        logits = _teacher_forced(model, prompt, ref_tokens, QuantCache(**CACHE_OPTIONS))
+    outcome.max_dlogit = float((logits - ref_logits).abs().max())
+    within = outcome.max_dlogit <= LOGIT_TOLERANCE * std
+    numbers = (f"max |Δ logit| {outcome.max_dlogit:.1e} = {outcome.max_dlogit / std:.2%} of the logits' std, "
+               f"{tokens_text}, {outcome.quantized_tokens} tokens quantized")
+    if outcome.quantized_tokens == 0:
+        outcome.detail = f"failed: nothing was quantized ({numbers})"
+    elif within and near_tie:
+        outcome.kind, outcome.detail = "match", f"matches DynamicCache at 8 bits ({numbers})"
+        if control:
+            try:
+                outcome.lossy_control = _lossy_ratio(model, prompt, ref_tokens, ref_logits)
+            except RuntimeError as err:  # attention whose mask has a column per stored token: no control there
+                outcome.control_error = f"{type(err).__name__}: {err}"
+    else:
+        outcome.detail = f"failed: differs from DynamicCache at 8 bits ({numbers})"
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def render_markdown(outcomes: list[Outcome], header: dict) -> str:
+    notes = {f.key: f.note for f in FAMILIES}
+    lines = [
+        "# Model coverage: QuantCache at 8 bits vs DynamicCache",
+        "",
+        f"Command: `{header['command']}` ({header['date']}; qcache {header['qcache']}, transformers "
+        f"{header['transformers']}, torch {header['torch']}).",
+        "",
+        f"Tiny random models (2 layers, hidden 64, vocab 128, fp32, seed 0), a {PROMPT_TOKENS}-token prompt and "
+        f"{STEPS} greedy steps through `generate(cache=...)`, once with `DynamicCache` and once with "
+        f"`QuantCache({', '.join(f'{k}={v}' for k, v in CACHE_OPTIONS.items())})` (16 prompt tokens quantized after "
+        f"the prefill, 64 per full-attention layer after the steps). **matches**: max |Δ logit| over all steps within "
+        f"{LOGIT_TOLERANCE:.0%} of the reference logits' std and the same {STEPS} greedy tokens, or tokens that "
+        f"part at a near tie (a step where DynamicCache's own top-2 margin is under {2 * LOGIT_TOLERANCE:.0%} of "
+        "the std, which any cache within the tolerance may break either way; the logits are then compared along "
+        "DynamicCache's tokens). **refused**: a ValueError from the first forward, before the cache stored "
+        "anything. **failed**: anything else.",
+        "",
+        "The last column is the control: max |Δ logit| of a full-precision cache that attends to the "
+        f"{CACHE_OPTIONS['sink_tokens']} sinks and the newest "
+        f"{CACHE_OPTIONS['recent_tokens'] + CACHE_OPTIONS['k_group_size']} tokens only at decode (a cache that lost "
+        "its quantized region), as a fraction of the same std: how far outside the tolerance such a loss lands "
+        "(n/a: the model's attention mask has a column per stored token, so keys cannot be dropped; see the JSON).",
+        "",
+        "| family | model_type | notes | outcome | control |",
+        "|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        detail = o.detail.replace("|", "\\|").replace("\n", " ")
+        control = f"{o.lossy_control:.0%}" if o.lossy_control is not None else "n/a" if o.control_error else ""
+        lines.append(f"| {o.family} | `{o.model_type}` | {notes.get(o.key, '')} | {detail} | {control} |")
+    counts = {kind: sum(o.kind == kind for o in outcomes) for kind in ("match", "refused", "failed")}
+    lines += ["", f"{counts['match']} match, {counts['refused']} refused, {counts['failed']} failed.", ""]
+    return "\n".join(lines)
+
+
+def _qcache_revision() -> str:
+    """The git commit the imported qcache comes from, '+ changes' when its files differ from it."""
+    import subprocess
+
+    import qcache
+
+    where = Path(qcache.__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--", "."], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"{qcache.__version__} (not a git checkout)"
+    return f"{qcache.__version__} at {commit}" + (" + uncommitted changes" if changed else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    keys = [f.key for f in FAMILIES]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", choices=keys, default=None, metavar="KEY",
+                        help=f"families to run (default: all); one of {', '.join(keys)}")
+    parser.add_argument("--out", type=Path, default=Path("docs/results/coverage"),
+                        help="output path without suffix: writes <out>.md and <out>.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # tiny models: one thread is several times faster than two busy ones
+    from tqdm.auto import tqdm
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    chosen = [f for f in FAMILIES if args.families is None or f.key in args.families]
+    outcomes = []
+    for family in tqdm(chosen, desc="families"):
+        outcomes.append(check_family(family, control=True))
+        log.info("%s: %s", family.name, outcomes[-1].detail)
+    header = {"command": " ".join(["python", "bench/coverage_matrix.py", *(argv if argv is not None else sys.argv[1:])]),
+              "date": time.strftime("%Y-%m-%d"), "qcache": _qcache_revision(), "transformers": transformers.__version__,
+              "torch": torch.__version__, "python": platform.python_version(), "cache_options": CACHE_OPTIONS,
+              "prompt_tokens": PROMPT_TOKENS, "steps": STEPS, "logit_tolerance": LOGIT_TOLERANCE,
+              "families": [f.key for f in chosen]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(
+        json.dumps({**header, "outcomes": [o.to_dict() for o in outcomes]}, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(render_markdown(outcomes, header))
+    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
