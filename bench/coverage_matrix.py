@@ -15,9 +15,10 @@ keys and values. The outcome is one of
                DynamicCache's own top-2 margin is under 2 x LOGIT_TOLERANCE x std, which any cache within the
                tolerance may break either way (the logits are then compared along DynamicCache's tokens, fed one
                at a time through a fresh QuantCache, as generate feeds them)
-    refused    a ValueError raised by the first forward, before the cache stored anything
-    failed     anything else: different tokens or logits, nothing quantized, another exception, or an error after
-               the cache stored tokens
+    refused    a ValueError raised by the first forward, before the cache stored anything, whose message names
+               the family's problem (`Family.refusal`: e.g. no RoPE, another RoPE layout)
+    failed     anything else: different tokens or logits, nothing quantized, another exception, a refusal that does
+               not name the problem, or an error after the cache stored tokens
 
 `tests/test_coverage.py` runs the same checks per family. Not a test itself: it writes the table the README shows.
 """
@@ -29,6 +30,7 @@ import dataclasses
 import json
 import logging
 import platform
+import re
 import sys
 import time
 import traceback
@@ -66,15 +68,33 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_hea
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """What QuantCache may refuse a family for instead of matching: the ValueError's message must contain `pattern`
+    (a regex) and so name the `problem`."""
+
+    problem: str
+    pattern: str
+
+
+NO_ROPE = Refusal("the missing RoPE", r"no RoPE|rope_parameters is None")
+LAYOUT = Refusal("the RoPE layout", r"layout qcache does not undo|apply_rotary_pos_emb")
+NO_POSITIONS = Refusal("the missing position_ids", r"position_ids")
+HEAD_DIM = Refusal("the head_dim of keys and values", r"head_dim")
+CHUNKED = Refusal("the RoPE layout or the chunked layers", LAYOUT.pattern + r"|chunked_attention")
+HYBRID = Refusal("the non-attention layers", r"linear_attention|mamba|hybrid|layer type")
+
+
+@dataclass(frozen=True)
 class Family:
     """One decoder family: a short key (test id, --families), its name in the table, model_type, config overrides on
-    top of TINY, and a note for the table."""
+    top of TINY, a note for the table, and the refusal allowed instead of a match (None: it must match)."""
 
     key: str
     name: str
     model_type: str
     overrides: dict = field(default_factory=dict)
     note: str = ""
+    refusal: Refusal | None = None
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -83,7 +103,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", "Llama", "llama"),
     Family("mistral", "Mistral", "mistral", dict(sliding_window=None)),
     Family("mistral_sliding", "Mistral, sliding window 32", "mistral", dict(sliding_window=32),
-           "window shorter than the text"),
+           "window shorter than the text (what lies beyond it is masked: the control cannot move it)"),
     Family("mixtral", "Mixtral", "mixtral", dict(sliding_window=None), "MoE"),
     Family("qwen2", "Qwen2", "qwen2"),
     Family("qwen2_moe", "Qwen2-MoE", "qwen2_moe", note="MoE"),
@@ -95,7 +115,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3_text", "Gemma 3 (text)", "gemma3_text", dict(SLIDING_THEN_FULL, query_pre_attn_scalar=16),
            "sliding + full layers, RoPE per layer type, q/k norm"),
     Family("gemma4_text", "Gemma 4 (text)", "gemma4_text", dict(SLIDING_THEN_FULL),
-           "sliding + full layers, head_dim per layer type, partial rotary"),
+           "sliding + full layers, head_dim per layer type, partial rotary", refusal=HEAD_DIM),
     Family("vaultgemma", "VaultGemma", "vaultgemma", dict(SLIDING_THEN_FULL, query_pre_attn_scalar=16),
            "sliding + full layers"),
     Family("phi3", "Phi-3", "phi3", dict(sliding_window=None)),
@@ -109,24 +129,25 @@ FAMILIES: tuple[Family, ...] = (
     Family("granite", "Granite", "granite"),
     Family("granitemoe", "GraniteMoE", "granitemoe", note="MoE"),
     Family("granitemoeshared", "GraniteMoE (shared experts)", "granitemoeshared", note="MoE"),
-    Family("stablelm", "StableLM", "stablelm", note="partial rotary (25 %)"),
-    Family("gpt_neox", "GPT-NeoX", "gpt_neox", note="partial rotary (25 %)"),
-    Family("persimmon", "Persimmon", "persimmon", note="partial rotary (50 %), q/k norm"),
+    Family("stablelm", "StableLM", "stablelm", note="partial rotary (25 %)", refusal=NO_POSITIONS),
+    Family("gpt_neox", "GPT-NeoX", "gpt_neox", note="partial rotary (25 %)", refusal=NO_POSITIONS),
+    Family("persimmon", "Persimmon", "persimmon", note="partial rotary (50 %), q/k norm", refusal=NO_POSITIONS),
     Family("nemotron", "Nemotron", "nemotron", note="partial rotary (50 %)"),
     Family("starcoder2", "Starcoder2", "starcoder2", dict(sliding_window=None)),
-    Family("cohere", "Cohere", "cohere"),
-    Family("cohere2", "Cohere2", "cohere2", dict(SLIDING_THEN_FULL), "sliding + full layers"),
-    Family("falcon", "Falcon", "falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
-    Family("gptj", "GPT-J", "gptj", dict(rotary_dim=8), "rotary on 8 of 16 channels"),
-    Family("codegen", "CodeGen", "codegen", dict(rotary_dim=8), "rotary on 8 of 16 channels"),
+    Family("cohere", "Cohere", "cohere", refusal=LAYOUT),
+    Family("cohere2", "Cohere2", "cohere2", dict(SLIDING_THEN_FULL), "sliding + full layers", refusal=LAYOUT),
+    Family("falcon", "Falcon", "falcon", dict(new_decoder_architecture=True, num_kv_heads=2), refusal=NO_POSITIONS),
+    Family("gptj", "GPT-J", "gptj", dict(rotary_dim=8), "rotary on 8 of 16 channels", refusal=NO_ROPE),
+    Family("codegen", "CodeGen", "codegen", dict(rotary_dim=8), "rotary on 8 of 16 channels", refusal=NO_ROPE),
     Family("smollm3", "SmolLM3", "smollm3", dict(no_rope_layers=[1, 0]), "layer 1 without RoPE (NoPE)"),
-    Family("glm", "GLM", "glm", note="partial rotary (50 %)"),
-    Family("glm4", "GLM-4", "glm4", note="partial rotary (50 %)"),
+    Family("glm", "GLM", "glm", note="partial rotary (50 %)", refusal=LAYOUT),
+    Family("glm4", "GLM-4", "glm4", note="partial rotary (50 %)", refusal=LAYOUT),
     Family("glm4_moe", "GLM-4-MoE", "glm4_moe", dict(first_k_dense_replace=1), "MoE, partial rotary (50 %)"),
-    Family("helium", "Helium", "helium"),
-    Family("gpt_oss", "GPT-OSS", "gpt_oss", dict(SLIDING_THEN_FULL), "MoE, sliding + full layers, YaRN"),
+    Family("helium", "Helium", "helium", refusal=LAYOUT),
+    Family("gpt_oss", "GPT-OSS", "gpt_oss", dict(SLIDING_THEN_FULL), "MoE, sliding + full layers, YaRN",
+           refusal=LAYOUT),
     Family("ministral", "Ministral", "ministral", dict(SLIDING_THEN_FULL), "sliding + full layers"),
-    Family("ministral3", "Ministral 3", "ministral3", note="YaRN"),
+    Family("ministral3", "Ministral 3", "ministral3", note="YaRN", refusal=NO_POSITIONS),
     Family("exaone", "EXAONE", "exaone"),
     Family("exaone4", "EXAONE 4", "exaone4", dict(SLIDING_THEN_FULL), "sliding + full layers, q/k norm"),
     Family("internlm3", "InternLM3", "internlm3"),
@@ -139,26 +160,27 @@ FAMILIES: tuple[Family, ...] = (
     Family("doge", "Doge", "doge", note="q/k norm"),
     Family("cwm", "CWM", "cwm", note="sliding + full layers, llama3 RoPE"),
     Family("dots1", "dots.llm1", "dots1", dict(first_k_dense_replace=1, n_shared_experts=1), "MoE, q/k norm"),
-    Family("ernie4_5", "ERNIE 4.5", "ernie4_5"),
+    Family("ernie4_5", "ERNIE 4.5", "ernie4_5", refusal=LAYOUT),
     Family("jetmoe", "JetMoE", "jetmoe", note="MoE"),
     Family("afmoe", "AFMoE", "afmoe", dict(SLIDING_THEN_FULL), "MoE, sliding + full layers, q/k norm"),
     Family("kolibri1", "Kolibri", "kolibri1", dict(SLIDING_THEN_FULL),
            "MoE, sliding + full layers, no RoPE on full layers"),
     Family("minimax_m2", "MiniMax-M2", "minimax_m2", note="MoE, q/k norm"),
     Family("solar_open", "Solar Open", "solar_open", note="MoE"),
-    Family("deepseek_v2", "DeepSeek-V2", "deepseek_v2", dict(MLA), "MLA, MoE"),
-    Family("deepseek_v3", "DeepSeek-V3", "deepseek_v3", dict(MLA), "MLA (caches the latent), MoE"),
-    Family("minicpm3", "MiniCPM3", "minicpm3", dict(MLA), "MLA (caches the latent)"),
-    Family("mimo_v2_flash", "MiMo-V2-Flash", "mimo_v2_flash", note="values wider than keys, sliding + full layers"),
-    Family("llama4_text", "Llama 4 (text)", "llama4_text", note="chunked attention layers, MoE"),
-    Family("falcon_h1", "Falcon-H1", "falcon_h1", note="hybrid: Mamba + attention in every layer"),
+    Family("deepseek_v2", "DeepSeek-V2", "deepseek_v2", dict(MLA), "MLA, MoE", refusal=LAYOUT),
+    Family("deepseek_v3", "DeepSeek-V3", "deepseek_v3", dict(MLA), "MLA (caches the latent), MoE", refusal=HEAD_DIM),
+    Family("minicpm3", "MiniCPM3", "minicpm3", dict(MLA), "MLA (caches the latent)", refusal=HEAD_DIM),
+    Family("mimo_v2_flash", "MiMo-V2-Flash", "mimo_v2_flash", note="values wider than keys, sliding + full layers",
+           refusal=HEAD_DIM),
+    Family("llama4_text", "Llama 4 (text)", "llama4_text", note="chunked attention layers, MoE", refusal=CHUNKED),
+    Family("falcon_h1", "Falcon-H1", "falcon_h1", note="hybrid: Mamba + attention in every layer", refusal=HYBRID),
     Family("qwen3_next", "Qwen3-Next", "qwen3_next", dict(layer_types=["linear_attention", "full_attention"]),
-           "hybrid: linear-attention + full layers"),
-    Family("gpt2", "GPT-2", "gpt2", note="learned positions"),
-    Family("gpt_bigcode", "GPT-BigCode", "gpt_bigcode", note="learned positions, MQA"),
-    Family("opt", "OPT", "opt", note="learned positions"),
-    Family("bloom", "BLOOM", "bloom", note="ALiBi"),
-    Family("xglm", "XGLM", "xglm", note="sinusoidal positions"),
+           "hybrid: linear-attention + full layers", refusal=HYBRID),
+    Family("gpt2", "GPT-2", "gpt2", note="learned positions", refusal=NO_ROPE),
+    Family("gpt_bigcode", "GPT-BigCode", "gpt_bigcode", note="learned positions, MQA", refusal=NO_ROPE),
+    Family("opt", "OPT", "opt", note="learned positions", refusal=NO_ROPE),
+    Family("bloom", "BLOOM", "bloom", note="ALiBi", refusal=NO_ROPE),
+    Family("xglm", "XGLM", "xglm", note="sinusoidal positions", refusal=NO_ROPE),
 )
 
 
@@ -299,8 +321,11 @@ def check_family(family: Family, control: bool = False) -> Outcome:
         outcome.error = f"{type(err).__name__}: {err}"
         outcome.traceback = _frames(err)
         stored = _stored_tokens(cache)
-        if isinstance(err, ValueError) and stored == 0:
+        named = family.refusal is None or re.search(family.refusal.pattern, str(err)) is not None
+        if isinstance(err, ValueError) and stored == 0 and named:
             outcome.kind, outcome.detail = "refused", f"refused: {outcome.error}"
+        elif isinstance(err, ValueError) and stored == 0:
+            outcome.detail = f"failed: refused without naming {family.refusal.problem}: {outcome.error}"
         elif isinstance(err, ValueError):
             outcome.detail = f"failed: ValueError after {stored} tokens were stored: {err}"
         else:
@@ -357,7 +382,7 @@ def render_markdown(outcomes: list[Outcome], header: dict) -> str:
         f"part at a near tie (a step where DynamicCache's own top-2 margin is under {2 * LOGIT_TOLERANCE:.0%} of "
         "the std, which any cache within the tolerance may break either way; the logits are then compared along "
         "DynamicCache's tokens). **refused**: a ValueError from the first forward, before the cache stored "
-        "anything. **failed**: anything else.",
+        "anything, whose message names the problem. **failed**: anything else.",
         "",
         "The last column is the control: max |Δ logit| of a full-precision cache that attends to the "
         f"{CACHE_OPTIONS['sink_tokens']} sinks and the newest "
@@ -414,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     for family in tqdm(chosen, desc="families"):
         outcomes.append(check_family(family, control=True))
         log.info("%s: %s", family.name, outcomes[-1].detail)
-    header = {"command": " ".join(["python", "bench/coverage_matrix.py", *(argv if argv is not None else sys.argv[1:])]),
+    command = ["python", "bench/coverage_matrix.py", *(argv if argv is not None else sys.argv[1:])]
+    header = {"command": " ".join(command),
               "date": time.strftime("%Y-%m-%d"), "qcache": _qcache_revision(), "transformers": transformers.__version__,
               "torch": torch.__version__, "python": platform.python_version(), "cache_options": CACHE_OPTIONS,
               "prompt_tokens": PROMPT_TOKENS, "steps": STEPS, "logit_tolerance": LOGIT_TOLERANCE,
