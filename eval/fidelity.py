@@ -74,6 +74,7 @@ __all__ = [
     "summarize_fidelity",
     "summarize_needles",
     "pareto_front",
+    "needle_align",
     "markdown",
     "plot",
     "main",
@@ -103,6 +104,21 @@ DEFAULT_CACHES = ("default", "quant:8", "quant:4", "quant:3", "quant:2", "quant:
                   "hf-hqq:2", "hf-fp8")
 DEFAULT_NEEDLE_CACHES = DEFAULT_CACHES
 REFERENCE = "default"
+_HF_RESIDUAL = 128  # Transformers' quantized caches keep this many tokens unquantized, then re-quantize everything
+
+
+def needle_align(chunk: int) -> int:
+    """Filled needle contexts are a multiple of this: 128 when `chunk` is a multiple of 128, else `chunk`.
+
+    Then the last piece of the fill is at least 128 tokens, so Transformers' quantized caches re-quantize at the end
+    of the fill and hold no residual; a question shorter than 128 tokens then never makes them re-quantize, which HQQ
+    cannot do at every length (its bit packing needs kv_heads x tokens x head_dim / 64 to be a multiple of 4).
+
+    Example:
+        >>> needle_align(256), needle_align(200)
+        (128, 200)
+    """
+    return _HF_RESIDUAL if chunk % _HF_RESIDUAL == 0 else chunk
 _BLOCK = 32  # positions per log-softmax block (262k-token vocabularies: 32 MiB per fp32 block)
 
 
@@ -528,7 +544,9 @@ def run_needles(model, tokenizer, text: str, entries: Sequence[CacheEntry], sett
     from .adapter import chunk_bounds
 
     usable = [e for e in entries if e.refused is None]
-    plans = {n: build_needles(tokenizer, text, n, settings.needles, settings.seed) for n in settings.lengths}
+    align = needle_align(settings.chunk)
+    plans = {n: build_needles(tokenizer, text, n, settings.needles, settings.seed, align=align)
+             for n in settings.lengths}
     total = sum(len(usable) * (len(chunk_bounds(ids.shape[1], settings.chunk)) + len(needles))
                 for ids, needles in plans.values())
     bar = tqdm(total=total, desc="needles", disable=not progress, unit="step")

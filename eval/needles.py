@@ -33,6 +33,7 @@ import copy
 import logging
 import math
 import random
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -125,12 +126,13 @@ def _sentence_ends(tokenizer, ids: Sequence[int]) -> list[bool]:
 
 
 def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, first_depth: float = 0.05,
-                  last_depth: float = 0.95) -> tuple[torch.LongTensor, list[Needle]]:
+                  last_depth: float = 0.95, align: int = 1) -> tuple[torch.LongTensor, list[Needle]]:
     """The filled context (haystack with `count` needles) and its needles, for contexts of at most `length` tokens.
 
-    The filled context holds `length - longest question + answer` tokens, so every needle's context + question +
-    answer fits in `length`. Keys and values are drawn with `random.Random(seed)`; the haystack is `text` from its
-    start, after the tokenizer's own leading special tokens (what `tokenizer(text)` puts first, e.g. <bos>).
+    The filled context holds `length - longest question + answer` tokens rounded down to a multiple of `align`, so
+    every needle's context + question + answer fits in `length`. Keys and values are drawn with
+    `random.Random(seed)`; the haystack is `text` from its start, after the tokenizer's own leading special tokens
+    (what `tokenizer(text)` puts first, e.g. <bos>).
 
     Args:
         tokenizer: a Hugging Face tokenizer.
@@ -138,6 +140,8 @@ def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, 
         length: the longest context + question + answer, in tokens.
         count: needles (>= 1); depths spread evenly from `first_depth` to `last_depth`.
         seed: seed of the keys and values.
+        align: the filled context's length is a multiple of this (`eval.fidelity.needle_align`: Transformers'
+            quantized caches then hold no residual after the fill, and a question never makes them re-quantize).
 
     Returns:
         (LongTensor [1, F] of the filled context, needles in depth order).
@@ -147,7 +151,7 @@ def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, 
         >>> ids.shape[1] + max(len(n.suffix_ids) for n in needles) <= 2048       # doctest: +SKIP
         True
     """
-    for name, value in (("length", length), ("count", count)):
+    for name, value in (("length", length), ("count", count), ("align", align)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if not 0.0 <= first_depth <= last_depth <= 1.0:
@@ -163,7 +167,7 @@ def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, 
     questions = [tuple(_ids(tokenizer, question_text(k))) for k in keys]
     answers = [tuple(_ids(tokenizer, f" {v}")) for v in values]
     prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])  # e.g. [<bos>] for Gemma, [] for SmolLM2
-    fill_len = length - max(len(q) + len(a) for q, a in zip(questions, answers))
+    fill_len = (length - max(len(q) + len(a) for q, a in zip(questions, answers))) // align * align
     hay_len = fill_len - len(prefix) - sum(len(n) for n in needle_ids)
     if hay_len < count:
         raise ValueError(f"length={length} is too short for {count} needles (they alone need "
@@ -204,9 +208,41 @@ def fill_cache(model, cache, ids: torch.Tensor, chunk: int = 256):
     return cache
 
 
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, types.FunctionType,
+           types.BuiltinFunctionType, types.MethodType, torch.dtype, torch.device, torch.Size, torch.Generator)
+
+
+def _subclass_tensors(obj) -> dict[int, torch.Tensor]:
+    """{id: tensor} of the tensor-subclass instances reachable from `obj` (attributes, dicts, lists, tuples)."""
+    found, seen, stack = {}, set(), [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _LEAVES) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if type(item) is not torch.Tensor and not isinstance(item, torch.nn.Parameter):
+                found[id(item)] = item
+            continue
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif isinstance(getattr(item, "__dict__", None), dict):
+            stack.extend(vars(item).values())
+    return found
+
+
 def fork_cache(cache):
-    """An independent copy of a filled cache (every tensor copied): what a needle's question runs through."""
-    return copy.deepcopy(cache)
+    """An independent copy of a filled cache: what a needle's question runs through.
+
+    Plain tensors are copied (`copy.deepcopy`). Tensor subclasses are shared: quanto's quantized tensors cannot be
+    deep-copied, and Transformers' quantized caches, which hold them, replace them when they re-quantize and never
+    write into them; with the filled context aligned (`build_needles(align=...)`) a question
+    shorter than 128 tokens does not even make them re-quantize (`eval.fidelity.needle_align`).
+    """
+    memo = dict(_subclass_tensors(cache))  # deepcopy returns memo[id(x)] for these: shared, not copied
+    return copy.deepcopy(cache, memo)
 
 
 def score_suffix(logits: torch.Tensor, answer_ids: Sequence[int]) -> tuple[float, float, bool]:

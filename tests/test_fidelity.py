@@ -266,20 +266,26 @@ def test_needle_copied_into_the_context_scores_higher_than_an_absent_one(kind):
     assert e_present.logprob == pytest.approx(e_absent.logprob, abs=1e-5)
 
 
-@pytest.mark.parametrize("kind", sorted(CACHE_KINDS))
+PEERS = {"hf-quanto-4bit": ("hf-quanto", 4, {}), "hf-hqq-2bit": ("hf-hqq", 2, {}), "hf-fp8": ("hf-fp8", None, {})}
+
+
+@pytest.mark.parametrize("kind", sorted(CACHE_KINDS) + sorted(PEERS))
 def test_needles_scored_from_one_fill_equal_needles_scored_alone(kind):
     """Each needle runs through its own copy: the filled cache is unchanged, and an earlier needle's question
-    (here long enough to make a QuantCache quantize a block) never reaches a later needle."""
+    (here long enough to make a QuantCache quantize a block) never reaches a later needle. Transformers' caches
+    too (quanto's tensors cannot be deep-copied: they are shared, and never written into)."""
     model = copying_model()
-    name, bits, options = CACHE_KINDS[kind]
-    ids = _copy_context(length=250)
+    name, bits, options = {**CACHE_KINDS, **PEERS}[kind]
+    if name in ("hf-quanto", "hf-hqq"):
+        pytest.importorskip("optimum.quanto" if name == "hf-quanto" else "hqq")
+    ids = _copy_context(length=256)  # 2 chunks of 128, as eval.fidelity aligns fills: the peers hold no residual
     long_question = Needle("long", "x", 0.5, 0, tuple(range(48, 64)) * 4, (40, 41))  # 64 question tokens
     later = _needle(9, (40, 41, 42))
-    cache = fill_cache(model, build_cache(name, model.config, bits, **options), ids, chunk=64)
+    cache = fill_cache(model, build_cache(name, model.config, bits, **options), ids, chunk=128)
     before = (cache.get_seq_length(), reachable_bytes(cache))
     together = score_needles(model, cache, [long_question, later])
     assert (cache.get_seq_length(), reachable_bytes(cache)) == before
-    alone = score_needles(model, fill_cache(model, build_cache(name, model.config, bits, **options), ids, chunk=64),
+    alone = score_needles(model, fill_cache(model, build_cache(name, model.config, bits, **options), ids, chunk=128),
                           [later])
     assert together[1] == alone[0]
 
@@ -319,12 +325,12 @@ def byte_tokenizer(bos: bool = False):
 TEXT = " ".join(f"Sentence number {i} tells of kings and rivers." for i in range(400))
 
 
-@pytest.mark.parametrize("bos", [False, True])
-def test_build_needles_places_every_needle_and_fits_the_length(bos):
+@pytest.mark.parametrize("bos,align", [(False, 1), (True, 1), (False, 128)])
+def test_build_needles_places_every_needle_and_fits_the_length(bos, align):
     tok = byte_tokenizer(bos)
-    ids, needles = build_needles(tok, TEXT, length=4000, count=12, seed=3)
+    ids, needles = build_needles(tok, TEXT, length=4000, count=12, seed=3, align=align)
     longest = max(len(n.suffix_ids) for n in needles)
-    assert ids.shape == (1, 4000 - longest)
+    assert ids.shape == (1, (4000 - longest) // align * align)
     assert (ids[0, 0].item() == 256) == bos  # the tokenizer's own leading token, when it has one
     assert len({n.key for n in needles}) == 12 and len({n.value for n in needles}) == 12
     depths = [n.depth for n in needles]
@@ -349,6 +355,7 @@ def test_build_needles_is_seeded():
     ({"length": 3000, "count": 0}, "count=0"),
     ({"length": 400, "count": 20}, "too short"),
     ({"length": 3000, "count": 300}, "distinct keys"),
+    ({"length": 3000, "count": 4, "align": 0}, "align=0"),
 ])
 def test_build_needles_rejects_bad_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
