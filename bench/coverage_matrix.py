@@ -82,6 +82,7 @@ NO_POSITIONS = Refusal("the missing position_ids", r"position_ids")
 HEAD_DIM = Refusal("the head_dim of keys and values", r"head_dim")
 CHUNKED = Refusal("the RoPE layout or the chunked layers", LAYOUT.pattern + r"|chunked_attention")
 HYBRID = Refusal("the non-attention layers", r"linear_attention|mamba|hybrid|layer type")
+LATENT = Refusal("the latent cache or its RoPE layout", HEAD_DIM.pattern + "|" + LAYOUT.pattern)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ FAMILIES: tuple[Family, ...] = (
            "MoE, sliding + full layers, no RoPE on full layers"),
     Family("minimax_m2", "MiniMax-M2", "minimax_m2", note="MoE, q/k norm"),
     Family("solar_open", "Solar Open", "solar_open", note="MoE"),
-    Family("deepseek_v2", "DeepSeek-V2", "deepseek_v2", dict(MLA), "MLA, MoE", refusal=LAYOUT),
+    Family("deepseek_v2", "DeepSeek-V2", "deepseek_v2", dict(MLA), "MLA (caches the latent), MoE", refusal=LATENT),
     Family("deepseek_v3", "DeepSeek-V3", "deepseek_v3", dict(MLA), "MLA (caches the latent), MoE", refusal=HEAD_DIM),
     Family("minicpm3", "MiniCPM3", "minicpm3", dict(MLA), "MLA (caches the latent)", refusal=HEAD_DIM),
     Family("mimo_v2_flash", "MiMo-V2-Flash", "mimo_v2_flash", note="values wider than keys, sliding + full layers",
