@@ -32,6 +32,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import kernels
+from ._compat import check_transformers
 from .attention import ATTN_IMPLEMENTATION as FUSED_ATTENTION  # the attention that can read codes itself
 from .calibfile import CalibrationData, load_calibration
 from .codec import KeyCodec, ValueCodec
@@ -493,15 +494,18 @@ def _dynamic_layer_memory(layer) -> CacheMemory:
                        tokens=layer.keys.shape[-2] if layer.keys.dim() == 4 else 0)
 
 
-def _find_attention_module(layer_idx: int, depth: int = 4) -> nn.Module | None:
-    """The attention module calling `Cache.update` (found on the call stack): it carries the model's config."""
+def _find_attention_module(layer_idx: int, depth: int = 16) -> nn.Module | None:
+    """The attention module calling `Cache.update`: the nearest frame up the call stack with a local that is an
+    `nn.Module` carrying a `config` and this `layer_idx` (transformers' attention modules hold both). Looked up once per
+    forward (at layer 0); the layers of that forward follow from it."""
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and hasattr(owner, "config") and getattr(owner, "layer_idx", None) == layer_idx:
-            return owner
+        for owner in frame.f_locals.values():
+            if isinstance(owner, nn.Module) and getattr(owner, "layer_idx", None) == layer_idx and hasattr(
+                    owner, "config"):
+                return owner
         frame = frame.f_back
     return None
 
@@ -525,6 +529,7 @@ class QuantCache(Cache):
 
     def __init__(self, config=None, *, options: QuantCacheConfig | None = None,
                  calibration: "str | CalibrationData | None" = None, **kwargs):
+        check_transformers()  # an older release would hand the model's own DynamicCache the tokens, silently
         if options is not None and kwargs:
             raise ValueError(f"pass either options= or keyword options, not both (got {sorted(kwargs)})")
         if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
@@ -554,7 +559,7 @@ class QuantCache(Cache):
         self._text_config = None
         self._explicit = config is not None
         if config is not None:
-            self._bind(config.get_text_config(decoder=True), modeling_module=None, prefix=None)
+            self._bind(config.get_text_config(decoder=True), modeling_module=None, prefix=None, config_obj=config)
 
     # -- binding to a model ----------------------------------------------------------------------------------
     @classmethod
@@ -592,29 +597,25 @@ class QuantCache(Cache):
         self._config_obj = config_obj if config_obj is not None else text_config
         self._text_config = text_config
 
-    def _check_model(self, layer_idx: int) -> None:
+    def _check_caller(self, layer_idx: int) -> None:
+        """At layer 0 of every forward: find the calling model and bind to it (first use, or a new sequence of a cache
+        built without a config), or check it is the model this cache holds tokens for. Without an explicit config the
+        model must be found; with one, a model that cannot be found (attention written as a free function) is
+        trusted to be that config's."""
         module = _find_attention_module(layer_idx)
-        self._check_module(module)
-        # decode attention from the codes only when the model's attention is the one that knows how (it is looked
-        # up every forward: set_attn_implementation may change it between calls)
-        fused = module is not None and getattr(module.config, "_attn_implementation", None) == FUSED_ATTENTION
-        for layer in self.layers:
-            if isinstance(layer, QuantLayer):
-                layer.fused_attention = fused
-
-    def _check_module(self, module: nn.Module | None) -> None:
         if module is None:
-            if self._fingerprint is None:
+            if not self._explicit:
                 raise ValueError(
                     "QuantCache needs the model's config for pre-RoPE keys and could not find the calling attention "
-                    "module; construct it as QuantCache(model.config, ...)"
+                    "module (an nn.Module with `config` and `layer_idx` up the call stack of Cache.update); construct "
+                    "it as QuantCache(model.config, ...)"
                 )
             return
         config = module.config
         if config is self._config_obj:
             return
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        if self._fingerprint is None or (self.get_seq_length() == 0 and not self._explicit):
+        if self._fingerprint is None or (not self._explicit and self.get_seq_length() == 0):
             self._bind(text_config, modeling_module_of(module), type(module).__name__.replace("Attention", ""), config)
             return
         fingerprint = model_fingerprint(text_config)
@@ -626,17 +627,35 @@ class QuantCache(Cache):
             )
         self._config_obj = config
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx == 0 or self._fingerprint is None:
-            self._check_model(layer_idx)
+    def _check_geometry(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """Every update: the states must fit the model this cache was built for."""
+        fp = self._fingerprint
         if layer_idx >= len(self.layers):
-            raise ValueError(f"layer_idx={layer_idx} but the model has {len(self.layers)} layers")
+            raise ValueError(f"layer_idx={layer_idx} but the model this QuantCache was built for has {len(self.layers)} "
+                             "layers; use a new QuantCache per model")
+        if key_states.dim() != 4 or key_states.shape[1] != fp["num_key_value_heads"] or key_states.shape[-1] != fp[
+                "head_dim"]:
+            raise ValueError(
+                f"key_states of shape {tuple(key_states.shape)} at layer {layer_idx}, but this QuantCache was built for "
+                f"[batch, {fp['num_key_value_heads']} kv heads, tokens, head_dim {fp['head_dim']}] "
+                f"({fp['model_type']}); use a new QuantCache per model"
+            )
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._fingerprint is None or layer_idx == 0:
+            self._check_caller(layer_idx)
+        self._check_geometry(key_states, layer_idx)
+        if layer_idx == 0:
+            # decode attention from the codes only when the model's attention is the one that knows how; read from the
+            # bound config every forward (set_attn_implementation may change it between calls)
+            fused = getattr(self._config_obj, "_attn_implementation", None) == FUSED_ATTENTION
+            for layer in self.layers:
+                if isinstance(layer, QuantLayer):
+                    layer.fused_attention = fused
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def reset(self) -> None:
-        super().reset()
-        if not self._explicit:  # an empty cache may serve another model
-            self._config_obj = None
+        super().reset()  # an empty cache may serve another model: the next sequence binds again
 
     # -- reporting -------------------------------------------------------------------------------------------
     def memory(self) -> CacheMemory:
