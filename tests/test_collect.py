@@ -88,5 +88,6 @@ def test_stacked_joins_then_empties_the_chunks():
         layer.v_weight.append(torch.full((2, 3), float(i)))  # [H, n]
     out = layer.stacked()
     assert out["keys"].shape == (2, 6, 4) and out["v_weight"].shape == (2, 6)
-    assert torch.equal(out["keys"][:, 3:], torch.ones(2, 3, 4)) and torch.equal(out["k_weight"], torch.full((2, 4), 0.5))
+    assert torch.equal(out["keys"][:, 3:], torch.ones(2, 3, 4))
+    assert torch.equal(out["k_weight"], torch.full((2, 4), 0.5))
     assert layer.keys == [] and layer.values == [] and layer.k_weight == [] and layer.v_weight == []

@@ -128,7 +128,8 @@ def test_perplexity_reads_through_the_cache_it_was_given(llama, kind):
 
 @pytest.mark.parametrize("kind", sorted(CACHES))
 def test_perplexity_refuses_a_model_that_drops_the_cache(llama, kind):
-    with pytest.raises(CacheNotWrittenError, match=r"chunk at token 0: .* holds 0 tokens after 32 more .*\(expected 32\)"):
+    expected = r"chunk at token 0: .* holds 0 tokens after 32 more .*\(expected 32\)"
+    with pytest.raises(CacheNotWrittenError, match=expected):
         chunked_nll(DropsCache(llama), _ids(), lambda: CACHES[kind](llama), chunk=32)
 
 
