@@ -7,6 +7,10 @@ from .quant import dequantize, dequantize_grouped, pack, quantize, quantize_grou
 
 __version__ = "0.1.0"
 
+# `from_pretrained(..., attn_implementation="qcache_fp32")` works after `import qcache`: the name is registered in
+# transformers' attention (and mask) interfaces, the documented way to get fp32 accumulation and the fused decode
+register_fp32_attention()
+
 __all__ = [
     "QuantCache",
     "use_fp32_attention",

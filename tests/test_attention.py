@@ -229,3 +229,27 @@ def test_softcap_matches_eager_where_stock_sdpa_raises():
     q = torch.zeros(1, 1, 1, 8)
     with pytest.raises(ValueError, match="softcap"):
         sdpa_attention_forward(_Attn(), q, q, q, None, softcap=0.5)
+
+
+def test_from_pretrained_by_name_after_import(tmp_path):
+    """`import qcache` registers "qcache_fp32": from_pretrained(..., attn_implementation="qcache_fp32") just works
+    (in a fresh process, so nothing else registered it first) and gives eager attention's logits in fp32."""
+    import subprocess
+    import sys
+
+    make_model("llama").save_pretrained(tmp_path)
+    script = (
+        "import torch, qcache\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, attn_implementation='qcache_fp32')\n"
+        "assert model.config._attn_implementation == 'qcache_fp32'\n"
+        "ids = torch.randint(2, 96, (1, 40))\n"
+        "with torch.no_grad():\n"
+        "    got = model(ids).logits\n"
+        "    model.set_attn_implementation('eager')\n"
+        "    ref = model(ids).logits\n"
+        "torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
