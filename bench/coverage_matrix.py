@@ -79,10 +79,11 @@ class Refusal:
 NO_ROPE = Refusal("the missing RoPE", r"no RoPE|rope_parameters is None")
 LAYOUT = Refusal("the RoPE layout", r"layout qcache does not undo|apply_rotary_pos_emb")
 NO_POSITIONS = Refusal("the missing position_ids", r"position_ids")
-HEAD_DIM = Refusal("the head_dim of keys and values", r"head_dim")
+KV_WIDTHS = Refusal("keys and values of different widths", r"(?s)head_dim.*value|value.*head_dim|latent")
+PER_LAYER_HEAD_DIM = Refusal("the head_dim per layer", r"head_dim")
 CHUNKED = Refusal("the RoPE layout or the chunked layers", LAYOUT.pattern + r"|chunked_attention")
 HYBRID = Refusal("the non-attention layers", r"linear_attention|mamba|hybrid|layer type")
-LATENT = Refusal("the latent cache or its RoPE layout", HEAD_DIM.pattern + "|" + LAYOUT.pattern)
+LATENT = Refusal("the latent cache or its RoPE layout", KV_WIDTHS.pattern + "|" + LAYOUT.pattern)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3_text", "Gemma 3 (text)", "gemma3_text", dict(SLIDING_THEN_FULL, query_pre_attn_scalar=16),
            "sliding + full layers, RoPE per layer type, q/k norm"),
     Family("gemma4_text", "Gemma 4 (text)", "gemma4_text", dict(SLIDING_THEN_FULL),
-           "sliding + full layers, head_dim per layer type, partial rotary", refusal=HEAD_DIM),
+           "sliding + full layers, head_dim per layer type, partial rotary", refusal=PER_LAYER_HEAD_DIM),
     Family("vaultgemma", "VaultGemma", "vaultgemma", dict(SLIDING_THEN_FULL, query_pre_attn_scalar=16),
            "sliding + full layers"),
     Family("phi3", "Phi-3", "phi3", dict(sliding_window=None)),
@@ -169,10 +170,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("minimax_m2", "MiniMax-M2", "minimax_m2", note="MoE, q/k norm"),
     Family("solar_open", "Solar Open", "solar_open", note="MoE"),
     Family("deepseek_v2", "DeepSeek-V2", "deepseek_v2", dict(MLA), "MLA (caches the latent), MoE", refusal=LATENT),
-    Family("deepseek_v3", "DeepSeek-V3", "deepseek_v3", dict(MLA), "MLA (caches the latent), MoE", refusal=HEAD_DIM),
-    Family("minicpm3", "MiniCPM3", "minicpm3", dict(MLA), "MLA (caches the latent)", refusal=HEAD_DIM),
+    Family("deepseek_v3", "DeepSeek-V3", "deepseek_v3", dict(MLA), "MLA (caches the latent), MoE", refusal=KV_WIDTHS),
+    Family("minicpm3", "MiniCPM3", "minicpm3", dict(MLA), "MLA (caches the latent)", refusal=KV_WIDTHS),
     Family("mimo_v2_flash", "MiMo-V2-Flash", "mimo_v2_flash", note="values wider than keys, sliding + full layers",
-           refusal=HEAD_DIM),
+           refusal=KV_WIDTHS),
     Family("llama4_text", "Llama 4 (text)", "llama4_text", note="chunked attention layers, MoE", refusal=CHUNKED),
     Family("falcon_h1", "Falcon-H1", "falcon_h1", note="hybrid: Mamba + attention in every layer", refusal=HYBRID),
     Family("qwen3_next", "Qwen3-Next", "qwen3_next", dict(layer_types=["linear_attention", "full_attention"]),

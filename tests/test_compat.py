@@ -58,7 +58,6 @@ def test_pyproject_pins_the_floor_the_check_enforces():
     assert f"'{pin}'" in TRANSFORMERS_FIX
 
 
-@pytest.mark.xfail(strict=True, reason="QuantCache.__init__ does not call qcache._compat.check_transformers() yet")
 def test_quant_cache_refuses_an_old_transformers(monkeypatch):
     import transformers
 
