@@ -12,9 +12,9 @@ from qcache.rope import RopeHelper
 
 # small blocks so that short prompts exercise sinks, quantized blocks and the residual
 OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # max |logit error| of the 8-bit cache, as a fraction of the logits' std (bf16 adds its own rounding)
-TOL_8BIT = {torch.float32: 0.05, torch.bfloat16: 0.1}
+TOL_8BIT = {torch.float32: 0.05, torch.bfloat16: 0.1, torch.float16: 0.1}
 
 
 def prompt(n, batch=1, seed=1):
@@ -384,3 +384,12 @@ def test_a_lost_fused_handover_raises():
     assert keys._qcache_layer is layer and keys.shape[2] < layer.stored_length()
     with pytest.raises(RuntimeError, match="attention never read it"):
         layer.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), kwargs={"position_ids": torch.tensor([[61]])})
+
+
+def test_static_cache_settings_are_refused_with_a_quantcache():
+    """A model whose generation config asks for a static cache: transformers refuses to combine it with a cache object
+    (a clear ValueError), rather than silently running one or the other."""
+    model = make_model("llama")
+    model.generation_config.cache_implementation = "static"
+    with pytest.raises(ValueError, match="cache_implementation.*cache"):
+        generate(model, prompt(20), QuantCache(bits=4, **OPTS), max_new_tokens=2)
