@@ -79,7 +79,12 @@ class CacheMemory:
 
 def model_fingerprint(text_config) -> dict:
     """What identifies a model for the cache: geometry, layer types and RoPE."""
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    try:
+        head_dim = getattr(text_config, "head_dim", None)
+    except RuntimeError as err:  # transformers' per-layer configs (Gemma 4) raise on a global read of head_dim
+        raise ValueError(f"model_type={text_config.model_type!r} sets head_dim per layer ({err}); QuantCache needs one "
+                         "head_dim for every layer") from err
+    head_dim = head_dim or text_config.hidden_size // text_config.num_attention_heads
     layer_types = getattr(text_config, "layer_types", None)
     rope = getattr(text_config, "rope_parameters", None)
     return {
@@ -185,6 +190,7 @@ class QuantLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.v_codec = ValueCodec(group=self.cfg.value_group_size(D), **self._v_codec_args)
+        self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
         full = [Part(name, axis, (D,), self.dtype, "full_precision")
                 for name, axis in (("sink_k", "sink"), ("sink_v", "sink"), ("res_k", "residual"),
                                    ("res_v", "residual"))]
@@ -242,8 +248,9 @@ class QuantLayer(CacheLayerMixin):
         if position_ids is None:
             if self.rope is not None:
                 raise ValueError(
-                    "QuantCache(rope='pre') needs the position_ids that attention passes to Cache.update, and got "
-                    "none; pass position_ids to the model or use rope='post'"
+                    "QuantCache(rope='pre') needs the position_ids that attention passes to Cache.update (in its "
+                    "kwargs) and got none: this model's attention calls update without them, so pre-RoPE keys "
+                    "cannot be placed; allowed for it: rope='post'"
                 )
             position_ids = torch.arange(self.cumulative_length, self.cumulative_length + T, device=self.device)[None]
         if position_ids.dim() != 2:
@@ -320,7 +327,7 @@ class QuantLayer(CacheLayerMixin):
         if s.length("token") == 0:
             return torch.cat([sink_k, res_k], dim=2), torch.cat([sink_v, res_v], dim=2)
         q = self._quantized()
-        if self.cfg.kernel == "compiled":
+        if self.kernel == "compiled":
             keys = kernels.compiled("read_keys", self._kernel_variant)(sink_k, q, res_k, self.k_codec)
             values = kernels.compiled("read_values", self._kernel_variant)(sink_v, q, res_v, self.v_codec)
             return keys, values
@@ -336,7 +343,7 @@ class QuantLayer(CacheLayerMixin):
 
     # -- fused decode attention (kernel="compiled" with the qcache_fp32 attention) --------------------------------
     def _decode_fusable(self) -> bool:
-        return self.cfg.kernel == "compiled" and not self.is_sliding and self.store.length("token") > 0
+        return self.kernel == "compiled" and not self.is_sliding and self.store.length("token") > 0
 
     def _lazy_states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What `update` returns when attention will read the codes itself: the full-precision tokens
@@ -499,12 +506,28 @@ def _find_attention_module(layer_idx: int, depth: int = 16) -> nn.Module | None:
     `nn.Module` carrying a `config` and this `layer_idx` (transformers' attention modules hold both). Looked up once per
     forward (at layer 0); the layers of that forward follow from it."""
     frame = sys._getframe(2)
+    without_config = False  # an attention module of this layer without `config` (BLOOM, XGLM) was on the stack
+    for _ in range(depth):
+        if frame is None:
+            break
+        for owner in frame.f_locals.values():
+            if isinstance(owner, nn.Module) and getattr(owner, "layer_idx", None) == layer_idx:
+                if hasattr(owner, "config"):
+                    return owner
+                without_config = True
+        frame = frame.f_back
+    return _find_model_with_config(depth) if without_config else None
+
+
+def _find_model_with_config(depth: int) -> nn.Module | None:
+    """For attention modules without a `config` (BLOOM, XGLM): the nearest module up the stack that has one (the
+    decoder model), so that binding names what the model lacks (e.g. RoPE) instead of failing to bind."""
+    frame = sys._getframe(3)
     for _ in range(depth):
         if frame is None:
             return None
         for owner in frame.f_locals.values():
-            if isinstance(owner, nn.Module) and getattr(owner, "layer_idx", None) == layer_idx and hasattr(
-                    owner, "config"):
+            if isinstance(owner, nn.Module) and hasattr(getattr(owner, "config", None), "get_text_config"):
                 return owner
         frame = frame.f_back
     return None
@@ -627,8 +650,14 @@ class QuantCache(Cache):
             )
         self._config_obj = config
 
-    def _check_geometry(self, key_states: torch.Tensor, layer_idx: int) -> None:
+    def _check_geometry(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         """Every update: the states must fit the model this cache was built for."""
+        if key_states.shape[-1] != value_states.shape[-1]:
+            raise ValueError(
+                f"layer {layer_idx} hands the cache keys with head_dim {key_states.shape[-1]} and values with head_dim "
+                f"{value_states.shape[-1]}; QuantCache needs one head_dim for both (multi-head latent attention caches "
+                "its latent and rotary part instead of keys and values)"
+            )
         fp = self._fingerprint
         if layer_idx >= len(self.layers):
             raise ValueError(f"layer_idx={layer_idx} but the model this QuantCache was built for has {len(self.layers)} "
@@ -644,7 +673,7 @@ class QuantCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self._fingerprint is None or layer_idx == 0:
             self._check_caller(layer_idx)
-        self._check_geometry(key_states, layer_idx)
+        self._check_geometry(key_states, value_states, layer_idx)
         if layer_idx == 0:
             # decode attention from the codes only when the model's attention is the one that knows how; read from the
             # bound config every forward (set_attn_implementation may change it between calls)
@@ -653,6 +682,16 @@ class QuantCache(Cache):
                 if isinstance(layer, QuantLayer):
                     layer.fused_attention = fused
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def _refuse_linear_state(self, layer_idx: int, *args, **kwargs):
+        raise ValueError(
+            f"layer {layer_idx} asks the cache for a convolution/recurrent state (a Mamba or linear-attention layer "
+            "of a hybrid model); QuantCache holds attention keys and values only (layer types ['full_attention', "
+            "'sliding_attention'])"
+        )
+
+    # hybrid models ask for their recurrent states before any update: refuse there, not with an IndexError
+    get_conv_state = update_conv_state = get_recurrent_state = update_recurrent_state = _refuse_linear_state
 
     def reset(self) -> None:
         super().reset()  # an empty cache may serve another model: the next sequence binds again

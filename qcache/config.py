@@ -12,7 +12,7 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
 SLIDING_MODES = ("native", "quantized")
 ROPE_MODES = ("pre", "post")
-KERNELS = ("eager", "compiled")
+KERNELS = ("auto", "eager", "compiled")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 
 __all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS"]
@@ -56,13 +56,15 @@ class QuantCacheConfig:
             `k_group_size` tokens; a value token over `v_group_size` channels), this many values farthest from the
             group's median are kept in the cache dtype with a 1-byte offset, and the group's range comes from the
             rest. 0: off. Not combinable with static_keys.
-        kernel: how the cache is read each step. "eager": plain PyTorch ops. "compiled": unpack, dequantize,
-            RoPE and the cast fused by `torch.compile` (qcache/kernels.py): the same values, faster decode, a
-            one-time compile (seconds) on first use; needs what torch.compile needs on the device (a C++ compiler
-            on CPU) and raises if it is missing. Layouts it does not cover are read eagerly (same values). With
-            the model on the `qcache_fp32` attention (`use_fp32_attention(model)`), "compiled" also decodes
-            without handing dequantized keys/values to attention: one query token attends straight from the codes
-            (`kernels.decode_attention`, fp32).
+        kernel: how the cache is read each step. "compiled": unpack, dequantize, RoPE and the cast fused by
+            `torch.compile` (qcache/kernels.py), a one-time compile (seconds) per cache configuration; needs what
+            torch.compile needs on the device (a C++ compiler on CPU, Triton on GPU) and raises if it is missing.
+            With the model on the `qcache_fp32` attention, "compiled" also decodes without handing dequantized
+            keys/values to attention: one query token attends straight from the codes (`kernels.decode_attention`,
+            fp32). "eager": plain PyTorch ops, the same values (up to fp32 rounding), slower. "auto" (default):
+            "compiled" where torch.compile works on the cache's device (tried once per device type, with one INFO
+            log line saying which path runs), else "eager"; the environment variable QCACHE_KERNEL=eager|compiled
+            decides for every cache left on "auto".
 
     Example:
         >>> QuantCacheConfig(bits=2).k_bits
@@ -82,7 +84,7 @@ class QuantCacheConfig:
     clip_search: bool = False
     codebooks: bool = True
     static_keys: bool = False
-    kernel: str = "eager"
+    kernel: str = "auto"
     outliers: int = 0
 
     def __post_init__(self) -> None:

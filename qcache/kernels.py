@@ -20,6 +20,8 @@ and the codecs themselves (frozen descriptions: compiled code specializes on the
 
 from __future__ import annotations
 
+import logging
+import os
 import types
 from collections.abc import Hashable
 from typing import NamedTuple
@@ -29,7 +31,8 @@ import torch
 from .codec import KeyCodec, ValueCodec
 from .rope import compose, rotate_half_width
 
-__all__ = ["Quantized", "key_planes", "rotate_planes", "read_keys", "read_values", "decode_attention", "compiled"]
+__all__ = ["Quantized", "key_planes", "rotate_planes", "read_keys", "read_values", "decode_attention", "compiled",
+           "resolve_kernel"]
 
 
 class Quantized(NamedTuple):
@@ -109,6 +112,8 @@ def decode_attention(query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor
     return probs[..., S:S + Tq] @ values + p_fp @ fp_v.float()
 
 
+logger = logging.getLogger(__name__)
+
 _FUNCTIONS = {"read_keys": read_keys, "read_values": read_values, "decode_attention": decode_attention}
 _COMPILED: dict[tuple, object] = {}
 _COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
@@ -127,10 +132,11 @@ _TOKEN_DIMS = {"read_keys": {0: 2, 2: 2}, "read_values": {0: 2, 2: 2}, "decode_a
 
 def _mark_token_dims(q: Quantized) -> None:
     """Mark the dimensions that grow with the context as dynamic: dim 2 of the stored [B, H, n, ...] tensors and dim
-    1 of the block-start RoPE factors [B, nb, R/2]. Everything else (head_dim, heads, groups, offsets) stays static,
+    1 of the block-start RoPE factors [B, nb, R/2] (and the batch dim of the stored tensors). Everything else (head_dim, heads, groups, offsets) stays static,
     so the inner loops have fixed trip counts and vectorize."""
     for part in (*q.k.values(), *q.v.values()):
         torch._dynamo.maybe_mark_dynamic(part, 2)
+        torch._dynamo.maybe_mark_dynamic(part, 0)  # batch: beams and batched prompts reuse the same compile
     if q.rope is not None:
         torch._dynamo.maybe_mark_dynamic(q.rope[0], 1)
         torch._dynamo.maybe_mark_dynamic(q.rope[1], 1)
@@ -163,3 +169,36 @@ def compiled(name: str, variant: Hashable = None):
 
         _COMPILED[(name, variant)] = fn
     return fn
+
+
+_COMPILER_WORKS: dict[str, bool] = {}  # device type -> whether torch.compile built and ran a probe there
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return (x.float() * 2 + 1).to(x.dtype)
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """The read path a cache configured with `kernel` uses on `device`: "auto" becomes "compiled" where
+    torch.compile builds and runs a small probe on that device type (tried once per process and device type) and
+    "eager" elsewhere, logged once at INFO either way; QCACHE_KERNEL=eager|compiled overrides "auto"."""
+    if kernel != "auto":
+        return kernel
+    forced = os.environ.get("QCACHE_KERNEL")
+    if forced:
+        if forced not in ("eager", "compiled"):
+            raise ValueError(f"QCACHE_KERNEL={forced!r} is not supported; allowed values: ['eager', 'compiled']")
+        return forced
+    kind = torch.device(device).type
+    if kind not in _COMPILER_WORKS:
+        try:
+            torch.compile(_own_code(_probe), dynamic=False)(torch.ones(8, device=device))
+            _COMPILER_WORKS[kind] = True
+            logger.info("qcache: kernel='auto' reads the cache with torch.compile'd kernels on %s (a one-time compile "
+                        "per cache configuration)", kind)
+        except Exception as err:  # any failure to build or run means: not here  # noqa: BLE001
+            _COMPILER_WORKS[kind] = False
+            logger.info("qcache: kernel='auto' reads the cache eagerly on %s: torch.compile does not work here "
+                        "(%s: %s); decode is slower (install a C++ compiler on CPU, Triton on GPU)", kind,
+                        type(err).__name__, " ".join(str(err).split())[:300])
+    return "compiled" if _COMPILER_WORKS[kind] else "eager"

@@ -1,5 +1,7 @@
 """Tiny random models built in the tests (no downloads)."""
 
+import os
+
 import pytest
 import torch
 from transformers import (
@@ -12,6 +14,11 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+# QuantCache's default kernel="auto" compiles its read (seconds per cache configuration). The unit tests build dozens
+# of configurations, so caches left on "auto" read eagerly here (the same values); tests/test_kernels.py exercises
+# the compiled paths explicitly and the "auto" choice itself.
+os.environ.setdefault("QCACHE_KERNEL", "eager")
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               head_dim=32, max_position_embeddings=1024, initializer_range=0.05, pad_token_id=0, eos_token_id=None,

@@ -22,35 +22,9 @@ cm = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = cm  # dataclasses look their module up while the class is built
 _spec.loader.exec_module(cm)
 
-# what each of these does today (from the traceback of the run that found it); fixing one turns its mark into a
-# failure (strict) that asks for the mark's removal
-_CHECK_LAYOUT = ("RuntimeError in rope.RopeHelper._check_layout: it passes full head_dim keys (16 channels) with the "
-                 "partial-rotary cos/sin ({n} channels) to the modeling file's apply_rotary_pos_emb, which expects "
-                 "the rotated channels only")
-_BINDING = ("refused as 'could not find the calling attention module' instead of naming the missing RoPE: the "
-            "attention module has no `config` attribute, so the stack walk that binds QuantCache(bits=...) fails")
-_STORE = ("ValueError from store.append that does not name the problem ('part sink_v holds [B, H, n, *shape] = "
-          "[..., {k}]; got (..., {v})'): values are {v} wide, keys {k}")
-_LATENT = ("refused as a cache built for another model ('this QuantCache was built for [batch, 4 kv heads, tokens, "
-           "head_dim 8] ...; use a new QuantCache per model'): the geometry check compares the 32-wide latent the "
-           "attention hands over as keys with the config's head_dim and does not say that keys (32) and values (8) "
-           "differ in width")
-KNOWN_FAILURES = {
-    "phi": _CHECK_LAYOUT.format(n=8),
-    "persimmon": _CHECK_LAYOUT.format(n=8),
-    "stablelm": _CHECK_LAYOUT.format(n=4),
-    "bloom": _BINDING,
-    "xglm": _BINDING,
-    "deepseek_v3": _LATENT,
-    "minicpm3": _LATENT,
-    "mimo_v2_flash": _STORE.format(k=16, v=128),
-    "gemma4_text": "AmbiguousGlobalPerLayerAttributeError (not a ValueError) from cache.model_fingerprint reading "
-                   "config.head_dim, which Gemma 4 defines per layer type",
-    "falcon_h1": "IndexError in Cache.get_conv_state (cache_utils): the model asks the cache for its Mamba state "
-                 "before any update, and QuantCache has no layers yet",
-    "qwen3_next": "IndexError in Cache.get_conv_state (cache_utils): the linear-attention layer asks the cache for "
-                  "its convolution state before any update, and QuantCache has no layers yet",
-}
+# families that fail today, with why (from the traceback of the run that found it); a strict xfail, so fixing one
+# turns its mark into a failure that asks for the mark's removal
+KNOWN_FAILURES: dict[str, str] = {}  # family key -> why it fails today (strict xfail); none at present
 
 
 @pytest.fixture(autouse=True, scope="module")

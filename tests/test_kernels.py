@@ -97,7 +97,7 @@ def test_every_layout_reads_compiled(compiled_calls):
 
 
 def test_kernel_option_is_checked():
-    with pytest.raises(ValueError, match=r"kernel='triton'.*allowed values: \['eager', 'compiled'\]"):
+    with pytest.raises(ValueError, match=r"kernel=.triton.*allowed values: \[.auto., .eager., .compiled.\]"):
         QuantCacheConfig(kernel="triton")
 
 
@@ -242,3 +242,46 @@ def test_a_failed_compile_names_the_way_out(monkeypatch):
     config = make_model("llama").config
     with pytest.raises(RuntimeError, match=r"kernel='compiled'.*read_keys.*kernel='eager'"):
         _feed(QuantCache(config, bits=4, kernel="compiled", **OPTS), 0)
+
+
+def test_auto_kernel_is_compiled_where_torch_compile_works(monkeypatch, caplog):
+    """kernel="auto" (the default) reads with the compiled kernels where torch.compile works on the device, and says
+    so once at INFO; where it cannot build, it reads eagerly and says why: never a silent slow path."""
+    import logging
+
+    monkeypatch.delenv("QCACHE_KERNEL", raising=False)
+    monkeypatch.setattr(kernels, "_COMPILER_WORKS", {})
+    with caplog.at_level(logging.INFO, logger="qcache.kernels"):
+        assert kernels.resolve_kernel("auto", torch.device("cpu")) == "compiled"
+        assert kernels.resolve_kernel("auto", torch.device("cpu")) == "compiled"  # probed once
+    assert len([r for r in caplog.records if "compile" in r.getMessage()]) == 1
+    assert QuantCacheConfig().kernel == "auto"
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed(fn, RuntimeError("cc1plus: not found"), None)
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(kernels, "_COMPILER_WORKS", {})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="qcache.kernels"):
+        assert kernels.resolve_kernel("auto", torch.device("cpu")) == "eager"
+    assert "reads the cache eagerly" in caplog.text and "cc1plus" in caplog.text
+    assert kernels.resolve_kernel("compiled", torch.device("cpu")) == "compiled"  # explicit choices stay
+    monkeypatch.setenv("QCACHE_KERNEL", "compiled")
+    assert kernels.resolve_kernel("auto", torch.device("cpu")) == "compiled"
+    monkeypatch.setenv("QCACHE_KERNEL", "fast")
+    with pytest.raises(ValueError, match=r"QCACHE_KERNEL='fast'.*\['eager', 'compiled'\]"):
+        kernels.resolve_kernel("auto", torch.device("cpu"))
+
+
+def test_default_cache_reads_compiled(monkeypatch, compiled_calls):
+    """QuantCache(bits=4) as a user writes it takes the compiled read here (torch.compile works on this machine)."""
+    monkeypatch.delenv("QCACHE_KERNEL", raising=False)
+    monkeypatch.setattr(kernels, "_COMPILER_WORKS", {})
+    model = make_model("llama")
+    cache = QuantCache(bits=4, **OPTS)
+    with torch.no_grad():
+        model.generate(torch.randint(2, 96, (1, 60)), cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert cache.layers[0].kernel == "compiled" and "read_keys" in compiled_calls
