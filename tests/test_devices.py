@@ -198,7 +198,7 @@ def test_tensor_parallel_quant_cache_holds_local_heads_and_matches_single_proces
     if _cache_refuses_a_share_of_heads():
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "QuantCache._check_geometry requires key_states to hold all num_key_value_heads; a tensor-parallel rank "
-            "holds num_key_value_heads / tp of them (the change to accept an equal share is in the project notes)")))
+            "computes num_key_value_heads / tp of them, so every rank refuses")))
     for result in tp_run:
         assert "error" not in result, result.get("error")
         assert result["store_heads"] == [1] * LAYERS  # 2 KV heads / 2 ranks
