@@ -23,8 +23,11 @@ below the default cache's Wilson 95 % interval (measured in the same run, on the
 `<out>.md` and `<out>.png` (default `docs/results/doctor-<model>-<N>`). Needs `qcache[eval]` (the fidelity runner
 lives in `eval/`); every model-dependent number is measured in the run, on this machine.
 
-Defaults (2 documents, 30 needles) take about 12 minutes for SmolLM2-135M at 8192 tokens on 2 idle CPU cores;
-`--quick` (1 document, 10 needles, 200 bootstrap resamples) about a third of that.
+Cost: every cache is filled twice (a fidelity document, the haystack). On one thread (the default: on 2 shared
+cores, 2 OpenMP threads made a chunked fill up to 20x slower, measured), a fill of 8192 tokens of SmolLM2-135M took
+38 s through the default cache and 44 s through QuantCache, a needle 0.5 s, so the defaults (2 documents, 30 needles,
+4 widths) take about 11-12 minutes at 8192 tokens; `--quick` (1 document, 10 needles, 200 bootstrap resamples) about
+7. Time grows with N (attention) and with the number of widths (`--bits`).
 """
 
 from __future__ import annotations
@@ -632,7 +635,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-implementation", default=None, choices=ATTENTION_IMPLEMENTATIONS,
                    help="attention the model runs (default: what transformers picks, sdpa for most models)")
     p.add_argument("--seed", type=int, default=0, help="seed of the needles and the bootstrap")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: on shared cores more threads wait on each other)")
     p.add_argument("--out", default=None, help="output path without suffix (default: docs/results/doctor-<model>-<N>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -654,8 +658,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from .size import load_config, resolve_config_source
 
     try:
-        if args.threads is not None:
-            _positive_int("threads", args.threads)
+        _positive_int("threads", args.threads)
         path = resolve_config_source(args.model)  # a known name or an existing directory; refused otherwise
         config = load_config(path)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -676,8 +679,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from . import __version__
     from .models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
     model, tokenizer = load_model(str(path), dtype=_DTYPES[settings.dtype],
                                   attn_implementation=settings.attn_implementation)

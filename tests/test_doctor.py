@@ -36,14 +36,15 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(model_dir, tmp_path_factory):
     """One doctor run: 2 documents, 4 needles, a budget that fits the 2- and 3-bit caches only."""
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()  # main() sets its --threads (default 1) process-wide: put it back after
     out = tmp_path_factory.mktemp("doctor") / "report"
     geometry = Geometry(layers=2, kv_heads=2, head_dim=16)
     budget = sum(cache_bytes(geometry, "qcache-3bit", CONTEXT)) / 1024**3 * 1.001  # just above the 3-bit cache
     report = doctor.main(["--model", str(model_dir), "--context", str(CONTEXT), "--docs", "2", "--needles", "4",
                           "--chunk", "64", "--dtype", "float32", "--budget-gib", repr(budget), "--out", str(out),
                           "--no-progress"])
-    return report, out, budget
+    yield report, out, budget
+    torch.set_num_threads(threads)
 
 
 def rows_by_setting(report):
