@@ -501,6 +501,12 @@ def _dynamic_layer_memory(layer) -> CacheMemory:
                        tokens=layer.keys.shape[-2] if layer.keys.dim() == 4 else 0)
 
 
+def _tensor_parallel_ranks() -> int:
+    """Ranks of the default process group (transformers' tp_plan shards KV heads over them), else 1."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _find_attention_module(layer_idx: int, depth: int = 16) -> nn.Module | None:
     """The attention module calling `Cache.update`: the nearest frame up the call stack with a local that is an
     `nn.Module` carrying a `config` and this `layer_idx` (transformers' attention modules hold both). Looked up once per
@@ -662,8 +668,10 @@ class QuantCache(Cache):
         if layer_idx >= len(self.layers):
             raise ValueError(f"layer_idx={layer_idx} but the model this QuantCache was built for has {len(self.layers)} "
                              "layers; use a new QuantCache per model")
-        if key_states.dim() != 4 or key_states.shape[1] != fp["num_key_value_heads"] or key_states.shape[-1] != fp[
-                "head_dim"]:
+        heads = fp["num_key_value_heads"]
+        if key_states.dim() == 4 and key_states.shape[1] * _tensor_parallel_ranks() == heads:
+            heads = key_states.shape[1]  # a tensor-parallel rank holds its share of the KV heads
+        if key_states.dim() != 4 or key_states.shape[1] != heads or key_states.shape[-1] != fp["head_dim"]:
             raise ValueError(
                 f"key_states of shape {tuple(key_states.shape)} at layer {layer_idx}, but this QuantCache was built for "
                 f"[batch, {fp['num_key_value_heads']} kv heads, tokens, head_dim {fp['head_dim']}] "
