@@ -1,7 +1,7 @@
 """GPU check: one script, at most 8 minutes on one GPU, of what the CPU runs cannot show.
 
-    python bench/gpu_check.py                    # CUDA: SmolLM2-135M and Gemma-3-270M in bf16 -> docs/results/gpu-check.{json,md}
-    python bench/gpu_check.py --cpu-smoke --out /tmp/gpu-check-smoke   # tiny random models on CPU, CUDA-only parts skipped
+    python bench/gpu_check.py               # CUDA, SmolLM2-135M and Gemma-3-270M in bf16 -> docs/results/gpu-check.*
+    python bench/gpu_check.py --cpu-smoke --out /tmp/smoke   # tiny random models on CPU, CUDA-only parts skipped
 
 Sections (each its own budget, run in a child process that the parent kills when a section overruns; a section that
 raises or is killed is recorded with its error and partial rows, and the next one runs):
@@ -313,8 +313,8 @@ def section_paths(sec: Section, ctx: Context) -> dict:
     paths, skipped = [], {}
     for path in ctx.paths:
         if path in CUDA_ONLY_PATHS and ctx.device.type != "cuda" and not ctx.explicit_paths:
-            skipped[path] = ("CUDA only (inductor -> Triton; a CPU compile takes tens of seconds, tests/test_kernels.py "
-                             "covers it): pass --paths to run it here")
+            skipped[path] = ("CUDA only (inductor -> Triton; a CPU compile takes tens of seconds, "
+                             "tests/test_kernels.py covers it): pass --paths to run it here")
         else:
             paths.append(path)
     same_codes = []
@@ -337,7 +337,8 @@ def section_paths(sec: Section, ctx: Context) -> dict:
             _sync(ctx.device)
             read_err = _max_rel(reads, ref_reads)
             row = {"path": path, "kernel": kernel, "attention": attn, "read_max_rel_diff": read_err,
-                   "reads_agree": read_err <= READ_RTOL, "step_logits_max_abs_diff": float((logits - ref_logits).abs().max()),
+                   "reads_agree": read_err <= READ_RTOL,
+                   "step_logits_max_abs_diff": float((logits - ref_logits).abs().max()),
                    "logits_scale": float(ref_logits.abs().max()), "step_argmax_equal": int(logits.argmax()) == int(
                        ref_logits.argmax()), "fused_decode_calls": fused[0], "seconds": time.perf_counter() - start}
             same_codes.append(row)
@@ -672,7 +673,8 @@ def markdown(report: dict) -> str:
             for r in res["same_codes"]:
                 lines.append(f"| {r['path']} | {r['attention']} | {_f(r['read_max_rel_diff'], '.2e')} | "
                              f"{r['reads_agree']} | {_f(r['step_logits_max_abs_diff'], '.3g')} "
-                             f"({_f(r['logits_scale'], '.3g')}) | {r['step_argmax_equal']} | {r['fused_decode_calls']} |")
+                             f"({_f(r['logits_scale'], '.3g')}) | {r['step_argmax_equal']} | "
+                             f"{r['fused_decode_calls']} |")
             lines += ["", f"End to end: each path fills its own cache and decodes {res['decode_steps']} greedy tokens "
                       "(fills differ in the last bits, so codes may differ where a value sits on a rounding "
                       "boundary).", "", "| path | vs | tokens equal | logits max abs diff | fused calls | seconds |",
@@ -702,7 +704,8 @@ def markdown(report: dict) -> str:
                              f"{_f(r.get('vs_default'), '.2f')} | {_f(r.get('vs_quanto'), '.2f')} | "
                              f"{_f(r.get('warmup_s'), '.1f')} | {_mib(r.get('held_allocated'))} | "
                              f"{_mib(r.get('held_counted'))} | {_mib(r.get('formula'))} | "
-                             f"{_f(r.get('held_allocated_vs_formula'), '.3f')} | {_f(r.get('layout_vs_formula'), '.3f')} | "
+                             f"{_f(r.get('held_allocated_vs_formula'), '.3f')} | "
+                             f"{_f(r.get('layout_vs_formula'), '.3f')} | "
                              f"{_mib(r.get('peak_fill'))} | {_mib(r.get('peak_decode'))} |")
             if res and res.get("memory_skipped"):
                 lines.append(f"\n(skipped: {res['memory_skipped']})")

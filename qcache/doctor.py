@@ -299,7 +299,8 @@ def keeps_needles(row: dict, reference: dict) -> bool:
     """A needle row keeps the needles when its share found is not below the reference's Wilson 95 % interval.
 
     Example:
-        >>> keeps_needles({"share": 0.9}, {"wilson95": [0.886, 1.0]}), keeps_needles({"share": 0.8}, {"wilson95": [0.886, 1.0]})
+        >>> ref = {"wilson95": [0.886, 1.0]}
+        >>> keeps_needles({"share": 0.9}, ref), keeps_needles({"share": 0.8}, ref)
         (True, False)
     """
     return row.get("share") is not None and row["share"] >= reference["wilson95"][0]
@@ -514,7 +515,8 @@ def markdown(report: dict) -> str:
     probe = a["probe"]
     probe_text = (f"probe failed: {probe['error']}" if "error" in probe else
                   f"one query over {probe['keys']} keys with equal scores in {probe['dtype']}: max relative error "
-                  f"{probe['max_rel_error']:.2e}, fp32 accumulation allows {probe['tolerance']:.2e} (2x the output's rounding "
+                  f"{probe['max_rel_error']:.2e}, fp32 accumulation allows {probe['tolerance']:.2e} (2x the output's "
+                  "rounding "
                   f"{probe['unit_roundoff']:.1e} + an fp32 sum of {probe['keys']} terms) -> "
                   f"**{probe['verdict']}**")
     lines += ["", "## Attention", "",
@@ -524,12 +526,13 @@ def markdown(report: dict) -> str:
               "a property of the code.",
               "", f"## Quality at {N} tokens", "",
               f"Fidelity: {s['docs']} document(s) x {N} tokens of the eval text, predictions from position "
-              f"{s['score_start']} on scored ({s['scored_per_doc']} per document); 95 % bootstrap over {s['chunk']}-token "
-              f"chunks. Needles: {s['needles']} key-value needles at depths 5-95 % of one {N}-token haystack, "
-              "teacher-forced; found: every answer token is the argmax (Wilson 95 %); margin: mean over needles of "
-              "the smallest log-prob margin of an answer token over the best other token (> 0: found).", "",
-              "| setting | mean KL (nats/token) [95 %] | top-1 % [95 %] | Δ PPL % [95 %] | needles found [Wilson 95 %] "
-              "| needle margin | Δ answer log-prob [95 %] | keeps the needles |",
+              f"{s['score_start']} on scored ({s['scored_per_doc']} per document); 95 % bootstrap over "
+              f"{s['chunk']}-token chunks. Needles: {s['needles']} key-value needles at depths 5-95 % of one "
+              f"{N}-token haystack, teacher-forced; found: every answer token is the argmax (Wilson 95 %); "
+              "margin: mean over needles of the smallest log-prob margin of an answer token over the best other "
+              "token (> 0: found).", "",
+              "| setting | mean KL (nats/token) [95 %] | top-1 % [95 %] | Δ PPL % [95 %] | "
+              "needles found [Wilson 95 %] | needle margin | Δ answer log-prob [95 %] | keeps the needles |",
               "|---|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in report["rows"]:
         lines.append("| " + " | ".join([r["setting"], *_quality_cells(r), *_needle_cells(r)]) + " |")

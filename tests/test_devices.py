@@ -65,7 +65,8 @@ def single_device(model_dir):
 
 
 def _placements(devices):
-    """Per module: where it lives. `devices[i % len(devices)]` for layer i; embeddings on the first, head on the last."""
+    """Per module: where it lives. Layer i on `devices[i % len(devices)]`; embeddings on the first, head on the
+    last."""
     places = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0]}
     places.update({f"model.layers.{i}": devices[i % len(devices)] for i in range(LAYERS)})
     places.update({"model.norm": devices[(LAYERS - 1) % len(devices)], "lm_head": devices[(LAYERS - 1) % len(devices)]})

@@ -1,6 +1,7 @@
-"""python -m qcache.doctor on a tiny random Llama saved here (byte tokenizer, 512 tokens): the report's structure,
-that its numbers are those of the runs it reuses (qcache.size's formula, eval.fidelity's rows), that the choice
-follows the needle intervals, the fp32-accumulation probe (it fails a bf16 running sum), and clear errors."""
+"""python -m qcache.doctor on a tiny random Llama saved here (a byte tokenizer that keeps " x" whole, 512 tokens):
+the report's structure, that its numbers are those of the runs it reuses (qcache.size's formula, eval.fidelity's
+rows), that the choice follows the needle intervals, the fp32-accumulation probe (it fails a bf16 running sum), and
+clear errors."""
 
 import json
 import re
@@ -15,9 +16,24 @@ pytest.importorskip("lm_eval")
 from qcache import doctor  # noqa: E402
 from qcache.attention import fp32_sdpa_attention_forward  # noqa: E402
 from qcache.size import Geometry, cache_bytes  # noqa: E402
-from test_fidelity import byte_tokenizer  # noqa: E402
-
 CONTEXT = 512
+
+
+def space_letter_tokenizer():
+    """Bytes as tokens, except that a space and the letter after it are one token (" p" in " pineapple"): words then
+    start with distinct tokens by their first letter, as the needles' word values need. <s> 282, <pad> 283."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}  # 256 byte symbols
+    space = "\u0120"  # ByteLevel's symbol for the space byte
+    merges = [(space, letter) for letter in "abcdefghijklmnopqrstuvwxyz"]
+    vocab.update({a + b: 256 + i for i, (a, b) in enumerate(merges)})
+    vocab.update({"<s>": 282, "<pad>": 283})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", pad_token="<pad>")
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +41,11 @@ def model_dir(tmp_path_factory):
     """A 2-layer GQA Llama (random weights large enough that 2-bit caches change its predictions) + byte tokenizer."""
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=284, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         initializer_range=0.2, pad_token_id=257, bos_token_id=256, eos_token_id=None)
+                         initializer_range=0.2, pad_token_id=283, bos_token_id=282, eos_token_id=None)
     LlamaForCausalLM(config).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
+    space_letter_tokenizer().save_pretrained(path)
     return path
 
 
@@ -224,7 +240,7 @@ def test_probe_cannot_tell_below_the_stall_length():
     (["--chunk", "0"], "chunk=0 must be a positive integer"),
     (["--attn-implementation", "flash"], "invalid choice: 'flash'"),
     (["--threads", "0"], "threads=0 must be a positive integer"),
-    (["--context", "256", "--chunk", "64", "--needles", "30"], "too short for 30 needles"),
+    (["--context", "256", "--chunk", "64", "--needles", "20"], "too short for 20 needles"),
 ])
 def test_bad_arguments_are_refused_by_name(model_dir, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
