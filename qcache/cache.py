@@ -677,6 +677,10 @@ class QuantCache(Cache):
                 f"[batch, {fp['num_key_value_heads']} kv heads, tokens, head_dim {fp['head_dim']}] "
                 f"({fp['model_type']}); use a new QuantCache per model"
             )
+        if key_states.shape[1] != fp["num_key_value_heads"] and self.options.static_keys:
+            raise ValueError(
+                f"static_keys=True holds calibrated key ranges for all {fp['num_key_value_heads']} kv heads, but this "
+                f"process computes {key_states.shape[1]} of them (tensor parallelism); allowed here: static_keys=False")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self._fingerprint is None or layer_idx == 0:

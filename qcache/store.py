@@ -18,8 +18,9 @@ the buffer is reallocated with room to spare (1/16 of what it holds, at least `m
 entries costs O(n) amortized however much is stored, never a copy of the whole store per append (the way
 `torch.cat` grows a cache). `drop_front` (sliding eviction, the residual draining into the quantized region) only
 moves `start`; the used entries are moved back to the front of the buffer when more than half of it lies unused
-before them, and a buffer more than three quarters empty is shrunk, so the capacity held stays within a small
-factor of what is used (and `nbytes` reports the difference as `reserved`). Batch operations (beam search's
+before them, a growing buffer more than three quarters empty is shrunk, and a bounded one (the residual) keeps at
+most two growth steps spare, so the capacity held stays close to what is used (`nbytes` reports the difference as
+`reserved`). Batch operations (beam search's
 reorder, repeat-interleave, select) apply to every part at once.
 
 Example:
@@ -78,10 +79,12 @@ class PackedStore:
         heads: kv heads (H).
         device: where the buffers live.
         min_grow: smallest number of entries added when a buffer grows, per axis (default 16).
+        bounded: axes whose length stays bounded (sinks, the residual): after a drop or crop their buffers keep at
+            most two `min_grow` steps of spare capacity, so a long prefill chunk leaves no large buffer behind.
     """
 
     def __init__(self, parts: Iterable[Part], batch: int, heads: int, device: torch.device | str = "cpu",
-                 min_grow: dict[str, int] | None = None):
+                 min_grow: dict[str, int] | None = None, bounded: Iterable[str] = ("sink", "residual")):
         self.parts: dict[str, Part] = {}
         for part in parts:
             if part.name in self.parts:
@@ -89,6 +92,7 @@ class PackedStore:
             self.parts[part.name] = part
         self.batch, self.heads, self.device = batch, heads, torch.device(device)
         self.min_grow = {axis: 16 for axis in AXES} | dict(min_grow or {})
+        self.bounded = frozenset(bounded)
         self._start = {axis: 0 for axis in AXES}
         self._length = {axis: 0 for axis in AXES}
         self._capacity = {axis: 0 for axis in AXES}
@@ -154,9 +158,12 @@ class PackedStore:
         self._length[axis] += n
 
     def _maybe_shrink(self, axis: str) -> None:
-        used, cap = self._length[axis], self._capacity[axis]
-        if cap > 4 * max(used, self.min_grow[axis]):
-            self._reallocate(axis, used + max(used // 16, self.min_grow[axis]))
+        used, cap, grow = self._length[axis], self._capacity[axis], self.min_grow[axis]
+        # a bounded axis (the residual: it drains back to a few blocks) keeps at most two growth steps spare; a
+        # growing one shrinks only when three quarters of it are unused (no reallocation back and forth)
+        loose = cap - used > 2 * grow if axis in self.bounded else cap > 4 * max(used, grow)
+        if loose:
+            self._reallocate(axis, used + max(used // 16, grow))
         elif self._start[axis] > cap // 2:
             self._reallocate(axis, cap)
 

@@ -94,3 +94,13 @@ def test_nbytes_counts_every_byte_by_category():
     assert got["packed"] == used_packed and got["scales"] == used_scales
     held = sum(buf.untyped_storage().nbytes() for buf in store._buf.values())
     assert sum(got.values()) == held and got["reserved"] == held - used_packed - used_scales
+
+
+def test_a_bounded_axis_keeps_little_spare_after_a_chunk():
+    """A prefill chunk of 256 tokens drains to a recent window of ~190: the residual's buffer keeps at most two growth
+    steps spare, not the chunk's peak (which would count as held bytes at every context)."""
+    store = make(min_grow={"residual": 64})
+    store.append("residual", res=torch.ones(2, 3, 256 + 190, 4, dtype=torch.bfloat16))
+    store.drop_front("residual", 256)
+    assert store.length("residual") == 190
+    assert store._capacity["residual"] - 190 <= 2 * 64
