@@ -491,6 +491,23 @@ def _write_planes(out: torch.Tensor, planes: list[torch.Tensor]) -> None:
         a += p.shape[-1]
 
 
+class SlidingWindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window layer (full precision, `sliding_layers="native"`) that holds its window only.
+
+    transformers keeps the window as a view into the concatenation of the window and the new states, so after a
+    prefill chunk of n tokens a layer holds n + window tokens until its next update (after a one-shot 32k prefill,
+    32k tokens per sliding layer). When the view holds less than two thirds of its storage, this layer keeps a
+    compact copy of the window instead; decode steps (a storage one token longer than the window) copy nothing.
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if not self.record_past and self.keys.numel() * self.keys.element_size() * 3 < \
+                2 * self.keys.untyped_storage().nbytes():
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+        return keys, values
+
+
 def _dynamic_layer_memory(layer) -> CacheMemory:
     """A transformers layer kept in full precision (native sliding window): its keys/values, and its other tensors
     (e.g. the window size as a tensor) as bookkeeping."""
@@ -613,7 +630,7 @@ class QuantCache(Cache):
             elif layer_type == "sliding_attention":
                 window = text_config.sliding_window
                 if self.options.sliding_layers == "native":
-                    layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+                    layers.append(SlidingWindowLayer(sliding_window=window))
                 else:
                     layers.append(QuantLayer(self.options, idx, rope, sliding_window=window, calibration=calib))
             else:

@@ -393,3 +393,18 @@ def test_static_cache_settings_are_refused_with_a_quantcache():
     model.generation_config.cache_implementation = "static"
     with pytest.raises(ValueError, match="cache_implementation.*cache"):
         generate(model, prompt(20), QuantCache(bits=4, **OPTS), max_new_tokens=2)
+
+
+def test_native_sliding_layers_hold_their_window_only():
+    """After a long prefill chunk, a native sliding layer holds its window, not the chunk (transformers' own layer
+    keeps a view into the whole concatenation); its outputs are transformers' own."""
+    model = make_model("gemma3")
+    ids = prompt(200)  # window 24
+    cache, ref = QuantCache(bits=4, **OPTS), DynamicCache(config=model.config)
+    torch.testing.assert_close(logits(model, ids, cache), logits(model, ids, ref), rtol=0.5, atol=0.5)
+    ours, theirs = cache.layers[0], ref.layers[0]
+    assert torch.equal(ours.keys, theirs.keys) and ours.keys.shape[2] == 23
+    assert ours.keys.untyped_storage().nbytes() == ours.keys.numel() * ours.keys.element_size()
+    assert theirs.keys.untyped_storage().nbytes() > 8 * theirs.keys.numel() * theirs.keys.element_size()
+    out = generate(model, ids, QuantCache(bits=8, **OPTS), max_new_tokens=10)
+    assert_greedy_agrees(model, out, 200)
