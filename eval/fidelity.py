@@ -57,7 +57,17 @@ from pathlib import Path
 import torch
 
 from .compare import CacheSpec, _auto_calibration, _git_state, _load_average
-from .needles import NeedleScore, build_needles, depth_third, fill_cache, score_needles, wilson_interval
+from .needles import (
+    VALUE_KINDS,
+    NeedleScore,
+    build_needles,
+    depth_third,
+    fill_cache,
+    needle_text,
+    question_text,
+    score_needles,
+    wilson_interval,
+)
 
 __all__ = [
     "MODEL_DEFAULTS",
@@ -93,16 +103,19 @@ class ModelDefaults:
     note: str = ""
 
 
+# sized for about 35 minutes per model on 2 idle CPU cores with the default caches (the markdown says so per run):
+# SmolLM2: ~11 min per 8k document (Transformers' HQQ cache alone ~5: it re-quantizes its whole cache per chunk),
+# ~13 min of needles; Gemma-3: ~10 min per 32k document, ~15 min of needles; the eval split holds 2 Gemma documents
+# of 32k tokens
 MODEL_DEFAULTS = {
-    "smollm2-135m": ModelDefaults(context=8192, docs=3, lengths=(2048, 4096, 8192),
-                                  note="8192 is SmolLM2-135M's maximum context"),
+    "smollm2-135m": ModelDefaults(context=8192, docs=2, lengths=(2048, 4096, 8192),
+                                  note="SmolLM2-135M's maximum context"),
     "gemma3-270m": ModelDefaults(context=32768, docs=2, lengths=(8192, 16384, 32768),
-                                 note="32768 is Gemma-3-270M's maximum context"),
+                                 note="Gemma-3-270M's maximum context"),
 }
 DEFAULT_CACHES = ("default", "quant:8", "quant:4", "quant:3", "quant:2", "quant:4:calibration=auto",
                   "quant:3:calibration=auto", "quant:2:calibration=auto", "hf-quanto:4", "hf-quanto:2", "hf-hqq:4",
                   "hf-hqq:2", "hf-fp8")
-DEFAULT_NEEDLE_CACHES = DEFAULT_CACHES
 REFERENCE = "default"
 _HF_RESIDUAL = 128  # Transformers' quantized caches keep this many tokens unquantized, then re-quantize everything
 
@@ -138,6 +151,7 @@ class FidelitySettings:
         score_from: first scored position as a fraction of `context` (0.5: the second half).
         lengths: needle context lengths (empty: no needles).
         needles: needles per length.
+        needle_values: "number" (5 digits) or "word" (`eval.needles.build_needles`).
         seed: seed of the needles' keys and values and of the bootstrap.
         bootstrap: bootstrap resamples for the intervals.
         dtype: model weights' dtype.
@@ -153,6 +167,7 @@ class FidelitySettings:
     score_from: float = 0.5
     lengths: tuple[int, ...] = ()
     needles: int = 30
+    needle_values: str = "number"
     seed: int = 0
     bootstrap: int = 1000
     dtype: str = "bfloat16"
@@ -168,6 +183,9 @@ class FidelitySettings:
             _positive_int("length", n)
         if len(set(self.lengths)) != len(self.lengths):
             raise ValueError(f"lengths={list(self.lengths)} repeats a length")
+        if self.needle_values not in VALUE_KINDS:
+            raise ValueError(f"needle_values={self.needle_values!r} is not supported; allowed values: "
+                             f"{list(VALUE_KINDS)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; allowed values: {sorted(_DTYPES)}")
 
@@ -545,8 +563,8 @@ def run_needles(model, tokenizer, text: str, entries: Sequence[CacheEntry], sett
 
     usable = [e for e in entries if e.refused is None]
     align = needle_align(settings.chunk)
-    plans = {n: build_needles(tokenizer, text, n, settings.needles, settings.seed, align=align)
-             for n in settings.lengths}
+    plans = {n: build_needles(tokenizer, text, n, settings.needles, settings.seed, align=align,
+                              values=settings.needle_values) for n in settings.lengths}
     total = sum(len(usable) * (len(chunk_bounds(ids.shape[1], settings.chunk)) + len(needles))
                 for ids, needles in plans.values())
     bar = tqdm(total=total, desc="needles", disable=not progress, unit="step")
@@ -658,8 +676,12 @@ def _default_bits_note(ref: dict) -> str:
 
 def _needle_section(report: dict) -> list[str]:
     s = report["settings"]
+    example = needle_text("zephyr", "48213" if s["needle_values"] == "number" else "pineapple", s["needle_values"])
     lines = ["", f"## Needles: {s['needles']} key-value needles per length, depths 5-95 %",
-             "", "Each cache is filled once per length with the haystack (needles inside), then every needle's "
+             "", f"Needles like `{example.strip()}` in eval-split text (one key and {s['needle_values']} each); "
+             f"question `{question_text('zephyr', s['needle_values'])}`".replace("\n", "\\n")
+             + ", then the answer, scored teacher-forced. "
+             "Each cache is filled once per length with the haystack (needles inside), then every needle's "
              "question + answer runs teacher-forced through its own copy of the filled cache. Found: every answer "
              "token is the argmax (Wilson 95 % interval). Δ log-prob: mean over needles of the answer's "
              "log-probability minus the default cache's (bootstrap 95 %). Kept: of the needles the default cache "
@@ -773,11 +795,14 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"caches for the fidelity part, KIND[:BITS][:OPTION=VALUE,...]; the default cache is always "
                         f"measured; none: skip the fidelity part (default: {' '.join(DEFAULT_CACHES)})")
     p.add_argument("--needle-caches", nargs="*", type=CacheSpec.parse, default=None, metavar="SPEC",
-                   help="caches for the needles (default: the same as --caches; none: skip the needles)")
+                   help="caches for the needles (default: the same as --caches, or the default list when --caches "
+                        "is given empty; none: skip the needles)")
     p.add_argument("--lengths", nargs="*", type=int, default=None,
                    help="needle context lengths in tokens (default: per model, " + ", ".join(
                        f"{k} {' '.join(map(str, v.lengths))}" for k, v in MODEL_DEFAULTS.items()) + ")")
     p.add_argument("--needles", type=int, default=30, help="needles per length (default 30)")
+    p.add_argument("--needle-values", default="number", choices=VALUE_KINDS,
+                   help="what the needles' answers are: 5-digit numbers or words (default: number)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward pass through each cache")
     p.add_argument("--score-from", type=float, default=0.5,
                    help="first scored position as a fraction of the context (default 0.5: the second half)")
@@ -815,9 +840,11 @@ def resolve_args(args: argparse.Namespace) -> tuple[FidelitySettings, list[Cache
     settings = FidelitySettings(
         context=context, docs=args.docs if args.docs is not None else defaults.docs, chunk=args.chunk,
         score_from=args.score_from, lengths=tuple(args.lengths if args.lengths is not None else defaults.lengths),
-        needles=args.needles, seed=args.seed, bootstrap=args.bootstrap, dtype=args.dtype)
-    caches = args.caches if args.caches is not None else [CacheSpec.parse(c) for c in DEFAULT_CACHES]
-    needle_caches = args.needle_caches if args.needle_caches is not None else caches
+        needles=args.needles, needle_values=args.needle_values, seed=args.seed, bootstrap=args.bootstrap,
+        dtype=args.dtype)
+    default_list = [CacheSpec.parse(c) for c in DEFAULT_CACHES]
+    caches = args.caches if args.caches is not None else default_list
+    needle_caches = args.needle_caches if args.needle_caches is not None else (caches or default_list)
     if args.threads is not None:
         _positive_int("threads", args.threads)
     return settings, (_with_reference(caches) if caches else []), \

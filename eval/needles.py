@@ -1,13 +1,17 @@
 """Key-value needles in one long haystack, scored teacher-forced through a cache filled once.
 
     haystack   eval-split text (the tokenizer's own leading special tokens first, e.g. Gemma's <bos>), with
-               `count` needles " The secret number of the {key} is {value}." inserted at sentence ends, at depths
-               spread evenly from 5 % to 95 % of the filled context
-    question   "\\nQuestion: What is the secret number of the {key}?\\nAnswer: The secret number of the {key} is"
-    answer     " {value}" (five random digits): the tokens scored
+               `count` needles " The secret number of {key} is {key} {value}." inserted after sentence ends, at
+               depths spread evenly from 5 % to 95 % of the filled context
+    question   "\nQuestion: What is the secret number of {key}?\nAnswer: The secret number of {key} is {key}"
+    answer     " {value}": five random digits (or, with values="word", a noun): the tokens scored
+
+Keys are single words, absent from the haystack text, no two starting with the same token. The value follows its
+key directly, in the needle and after the question, so the model finds it by matching the key: with the value
+right after "is", the token before it is the same in every needle, and a 135M model found far fewer of 30 needles.
 
 A cache is filled with the haystack once (`fill_cache`, chunked like every other measurement), then every needle's
-question + answer runs through its own copy of the filled cache (`fork_cache`: `copy.deepcopy`) and the answer
+question + answer runs through its own copy of the filled cache (`fork_cache`) and the answer
 tokens are scored from the logits (teacher forcing, no generation):
 
     logprob      sum of log p(answer token) over the answer: the continuous needle margin
@@ -56,23 +60,60 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# keys are "<adjective>-<noun>" pairs: rare as a phrase in any prose, so a key names one needle only
-_ADJECTIVES = ("amber", "azure", "bronze", "crimson", "golden", "silver", "violet", "scarlet", "ivory", "copper",
-               "emerald", "jade", "coral", "indigo", "olive", "cobalt")
-_NOUNS = ("falcon", "lantern", "harbor", "meadow", "compass", "glacier", "orchard", "anchor", "beacon", "canyon",
-          "dragon", "forest", "island", "mirror", "pebble", "thistle")
+# keys: one word each, no two sharing a first token, none sharing a token-level prefix with a value list entry
+_KEYS = ("zephyr", "quasar", "nebula", "tundra", "lagoon", "geyser", "fjord", "savanna", "volcano", "monsoon",
+         "meteor", "aurora", "prairie", "oasis", "cyclone", "blizzard", "comet", "crater", "plateau", "estuary",
+         "tornado", "avalanche", "icicle", "boulder", "quartz", "obsidian", "granite", "saffron", "magenta",
+         "turquoise", "vermilion", "chartreuse", "lavender", "mahogany", "sparrow", "heron", "condor", "osprey",
+         "kestrel", "albatross", "puffin", "toucan", "hummingbird", "nightingale", "woodpecker", "cormorant",
+         "sandpiper", "lantern", "compass", "anchor", "beacon", "mirror", "thistle", "orchard", "meadow", "harbor",
+         "windmill", "lighthouse", "chimney", "pagoda", "citadel", "obelisk", "aqueduct", "minaret")
+# word values: the first token of each needle's answer differs from every other needle's, so once the key has been
+# found the rest of the answer is a plain copy; numbers make every digit a choice among needles
+_WORDS = ("pineapple", "violin", "umbrella", "saxophone", "kangaroo", "avocado", "trombone", "cactus", "pelican",
+          "marmalade", "harmonica", "penguin", "broccoli", "tambourine", "flamingo", "lollipop", "submarine",
+          "zucchini", "accordion", "platypus", "cinnamon", "xylophone", "walrus", "trampoline", "mandolin",
+          "porcupine", "cauliflower", "hedgehog", "toboggan", "octopus", "artichoke", "chameleon", "tangerine",
+          "bagpipe", "armadillo", "raspberry", "microscope", "giraffe", "pretzel", "telescope", "rhinoceros",
+          "asparagus", "caterpillar", "ukulele", "mongoose", "parsnip", "harpsichord", "iguana", "gazebo", "nectarine",
+          "snorkel", "lobster", "peppermint", "catapult", "dolphin", "spatula", "meerkat", "clarinet", "coconut",
+          "scarecrow", "bulldozer", "jellyfish", "wombat", "kayak")
 VALUE_DIGITS = 5
+VALUE_KINDS = ("number", "word")
 _SNAP_TOKENS = 64  # a needle goes after the first sentence end within this many tokens of its depth
 
 
-def needle_text(key: str, value: str) -> str:
+def needle_text(key: str, value: str, kind: str = "number") -> str:
     """The sentence inserted into the haystack (after a sentence end, hence the leading space)."""
-    return f" The secret number of the {key} is {value}."
+    return f" The secret {kind} of {key} is {key} {value}."
 
 
-def question_text(key: str) -> str:
+def question_text(key: str, kind: str = "number") -> str:
     """The question fed after the haystack; the answer " {value}" follows it."""
-    return f"\nQuestion: What is the secret number of the {key}?\nAnswer: The secret number of the {key} is"
+    return f"\nQuestion: What is the secret {kind} of {key}?\nAnswer: The secret {kind} of {key} is {key}"
+
+
+def _draw_words(tokenizer, pool: Sequence[str], count: int, rng: random.Random, text: str, what: str) -> list[str]:
+    """`count` words of `pool`, in random order, absent from `text`, no two starting with the same token (the first
+    one that is not only white space)."""
+    words, firsts, lowered = [], set(), text.lower()
+    for word in rng.sample(list(pool), len(pool)):
+        ids = _ids(tokenizer, f" {word}")
+        first = next((i for i in ids if tokenizer.decode([i]).strip()), ids[0])  # a lone space token is no start
+        if word not in lowered and first not in firsts:
+            words.append(word)
+            firsts.add(first)
+        if len(words) == count:
+            return words
+    raise ValueError(f"count={count} needles, but only {len(words)} {what} are absent from the text and start with "
+                     "distinct tokens with this tokenizer; use fewer needles")
+
+
+def _draw_values(tokenizer, kind: str, count: int, rng: random.Random, text: str) -> list[str]:
+    """`count` distinct values: words (see `_draw_words`) or 5-digit numbers."""
+    if kind == "number":
+        return [str(v) for v in rng.sample(range(10 ** (VALUE_DIGITS - 1), 10 ** VALUE_DIGITS), count)]
+    return _draw_words(tokenizer, _WORDS, count, rng, text, "word values")
 
 
 @dataclass(frozen=True)
@@ -80,7 +121,7 @@ class Needle:
     """One needle of a haystack.
 
     Args:
-        key: the name asked about ("silver-falcon").
+        key: the name asked about ("zephyr").
         value: the answer ("48213").
         depth: where the needle starts, as a fraction of the filled context (0 = first token).
         position: token index of the needle's first token in the filled context.
@@ -88,7 +129,7 @@ class Needle:
         answer_ids: the answer's tokens (teacher-forced and scored).
 
     Example:
-        >>> Needle("silver-falcon", "48213", 0.5, 2000, (10, 11), (12, 13)).suffix_ids
+        >>> Needle("zephyr", "48213", 0.5, 2000, (10, 11), (12, 13)).suffix_ids
         (10, 11, 12, 13)
     """
 
@@ -126,7 +167,8 @@ def _sentence_ends(tokenizer, ids: Sequence[int]) -> list[bool]:
 
 
 def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, first_depth: float = 0.05,
-                  last_depth: float = 0.95, align: int = 1) -> tuple[torch.LongTensor, list[Needle]]:
+                  last_depth: float = 0.95, align: int = 1, values: str = "number"
+                  ) -> tuple[torch.LongTensor, list[Needle]]:
     """The filled context (haystack with `count` needles) and its needles, for contexts of at most `length` tokens.
 
     The filled context holds `length - longest question + answer` tokens rounded down to a multiple of `align`, so
@@ -142,6 +184,8 @@ def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, 
         seed: seed of the keys and values.
         align: the filled context's length is a multiple of this (`eval.fidelity.needle_align`: Transformers'
             quantized caches then hold no residual after the fill, and a question never makes them re-quantize).
+        values: "number" (5 random digits) or "word" (a noun, absent from `text`, whose first token no other
+            needle's answer starts with).
 
     Returns:
         (LongTensor [1, F] of the filled context, needles in depth order).
@@ -154,17 +198,15 @@ def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, 
     for name, value in (("length", length), ("count", count), ("align", align)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
+    if values not in VALUE_KINDS:
+        raise ValueError(f"values={values!r} is not supported; allowed values: {list(VALUE_KINDS)}")
     if not 0.0 <= first_depth <= last_depth <= 1.0:
         raise ValueError(f"depths must satisfy 0 <= first_depth <= last_depth <= 1; got {first_depth}, {last_depth}")
-    lowered = text.lower()
-    keys = [f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS if f"{a}-{n}" not in lowered]
-    if count > len(keys):
-        raise ValueError(f"count={count} needles, but only {len(keys)} distinct keys are available")
     rng = random.Random(seed)
-    keys = rng.sample(keys, count)
-    values = [str(v) for v in rng.sample(range(10 ** (VALUE_DIGITS - 1), 10 ** VALUE_DIGITS), count)]
-    needle_ids = [_ids(tokenizer, needle_text(k, v)) for k, v in zip(keys, values)]
-    questions = [tuple(_ids(tokenizer, question_text(k))) for k in keys]
+    keys = _draw_words(tokenizer, _KEYS, count, rng, text, "keys")
+    kind, values = values, _draw_values(tokenizer, values, count, rng, text)
+    needle_ids = [_ids(tokenizer, needle_text(k, v, kind)) for k, v in zip(keys, values)]
+    questions = [tuple(_ids(tokenizer, question_text(k, kind))) for k in keys]
     answers = [tuple(_ids(tokenizer, f" {v}")) for v in values]
     prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])  # e.g. [<bos>] for Gemma, [] for SmolLM2
     fill_len = (length - max(len(q) + len(a) for q, a in zip(questions, answers))) // align * align

@@ -36,6 +36,7 @@ from eval.needles import (  # noqa: E402
     Needle,
     build_needles,
     fill_cache,
+    needle_text,
     score_needles,
     score_suffix,
     wilson_interval,
@@ -325,10 +326,11 @@ def byte_tokenizer(bos: bool = False):
 TEXT = " ".join(f"Sentence number {i} tells of kings and rivers." for i in range(400))
 
 
-@pytest.mark.parametrize("bos,align", [(False, 1), (True, 1), (False, 128)])
-def test_build_needles_places_every_needle_and_fits_the_length(bos, align):
+@pytest.mark.parametrize("bos,align,values", [(False, 1, "number"), (True, 1, "number"), (False, 128, "number"),
+                                              (False, 1, "word")])
+def test_build_needles_places_every_needle_and_fits_the_length(bos, align, values):
     tok = byte_tokenizer(bos)
-    ids, needles = build_needles(tok, TEXT, length=4000, count=12, seed=3, align=align)
+    ids, needles = build_needles(tok, TEXT, length=4000, count=12, seed=3, align=align, values=values)
     longest = max(len(n.suffix_ids) for n in needles)
     assert ids.shape == (1, (4000 - longest) // align * align)
     assert (ids[0, 0].item() == 256) == bos  # the tokenizer's own leading token, when it has one
@@ -336,11 +338,12 @@ def test_build_needles_places_every_needle_and_fits_the_length(bos, align):
     depths = [n.depth for n in needles]
     assert depths == sorted(depths) and 0.04 < depths[0] and depths[-1] < 0.97
     for n in needles:  # the needle sits where it says, after a full stop, and its answer is its value
-        text = tok.decode(ids[0, n.position:n.position + 60])
-        assert text.startswith(f" The secret number of the {n.key} is {n.value}.")
+        text = tok.decode(ids[0, n.position:n.position + 80])
+        assert text.startswith(needle_text(n.key, n.value, values)) and f" {n.key} {n.value}." in text
         assert tok.decode(ids[0, n.position - 1:n.position]) == "."
-        assert tok.decode(list(n.answer_ids)) == f" {n.value}"
-        assert f"of the {n.key}?" in tok.decode(list(n.question_ids))
+        assert tok.decode(list(n.answer_ids)) == f" {n.value}" and n.value.isdigit() == (values == "number")
+        assert tok.decode(list(n.question_ids)).endswith(f"of {n.key}?\nAnswer: The secret {values} of {n.key} is "
+                                                         f"{n.key}")
 
 
 def test_build_needles_is_seeded():
@@ -353,8 +356,9 @@ def test_build_needles_is_seeded():
 @pytest.mark.parametrize("kwargs,match", [
     ({"length": 0, "count": 4}, "length=0"),
     ({"length": 3000, "count": 0}, "count=0"),
-    ({"length": 400, "count": 20}, "too short"),
-    ({"length": 3000, "count": 300}, "distinct keys"),
+    ({"length": 400, "count": 10}, "too short"),
+    ({"length": 3000, "count": 30}, r"only \d+ keys are absent from the text and start with distinct tokens"),
+    ({"length": 3000, "count": 4, "values": "colour"}, "values='colour'"),
     ({"length": 3000, "count": 4, "align": 0}, "align=0"),
 ])
 def test_build_needles_rejects_bad_sizes(kwargs, match):
@@ -431,3 +435,33 @@ def test_cli_run_writes_json_markdown_and_plot(model_dir, tmp_path):
     assert "| quant-2bit |" in md and "refused" in md and "### 512 tokens" in md
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert report["fidelity"][1]["cache"] == "quant-4bit"
+
+
+def test_defaults_per_model_and_the_reference_always_first():
+    settings, caches, needle_caches, note = fidelity.resolve_args(fidelity._parser().parse_args([]))
+    smollm2 = fidelity.MODEL_DEFAULTS["smollm2-135m"]
+    assert (settings.context, settings.docs, settings.lengths) == (smollm2.context, smollm2.docs, smollm2.lengths)
+    assert [c.label for c in caches][0] == "default" and len(caches) == len(fidelity.DEFAULT_CACHES)
+    assert needle_caches == caches and settings.dtype == "bfloat16" and settings.chunk == 256
+    _, caches, needle_caches, note = fidelity.resolve_args(fidelity._parser().parse_args(
+        ["--caches", "quant:4", "--needle-caches", "hf-quanto:2", "default", "--context", "4096"]))
+    assert [c.label for c in caches] == ["default", "quant-4bit"]  # the reference is added, first
+    assert [c.label for c in needle_caches] == ["default", "hf-quanto-2bit"]
+    assert note == "set on the command line"
+
+
+@pytest.mark.parametrize("argv,fidelity_caches,needle_caches", [
+    (["--caches"], 0, 13), (["--lengths"], 13, 0), (["--needle-caches"], 13, 0), (["--caches", "--lengths"], 0, 0)])
+def test_empty_lists_skip_a_part(argv, fidelity_caches, needle_caches):
+    _, caches, needles, _ = fidelity.resolve_args(fidelity._parser().parse_args(argv))
+    assert (len(caches), len(needles)) == (fidelity_caches, needle_caches)
+
+
+@pytest.mark.parametrize("chunk,align", [(256, 128), (128, 128), (512, 128), (200, 200), (64, 64)])
+def test_needle_fills_end_with_a_piece_that_flushes_transformers_caches(chunk, align):
+    from eval.adapter import chunk_bounds
+
+    assert fidelity.needle_align(chunk) == align
+    for fill in range(align, 20 * align, align):  # the last piece reaches the 128-token residual: it re-quantizes
+        start, end = chunk_bounds(fill, chunk)[-1]
+        assert end - start >= min(chunk, 128)
