@@ -56,6 +56,8 @@ from pathlib import Path
 
 import torch
 
+from qcache.footprint import reachable_bytes
+
 from .compare import CacheSpec, _auto_calibration, _git_state, _load_average
 from .needles import (
     VALUE_KINDS,
@@ -272,8 +274,6 @@ def values_held(default_cache) -> int:
 
 def bits_per_value_held(cache, values: int) -> float:
     """Bytes of every tensor reachable from `cache` x 8 / `values` (the values the default cache holds)."""
-    from qcache.footprint import reachable_bytes
-
     _positive_int("values", values)
     return reachable_bytes(cache) * 8 / values
 
@@ -370,16 +370,10 @@ def lockstep_document(model, ids: torch.Tensor, doc: int, reference: CacheTrack,
     values = values_held(reference.cache)
     for track in (reference, *candidates):
         if track.error is None:
-            track.held_bytes.append(_reachable(track.cache))
+            track.held_bytes.append(reachable_bytes(track.cache))
             track.bits.append(track.held_bytes[-1] * 8 / values)
             track.cache = None
     reference.values = values
-
-
-def _reachable(cache) -> int:
-    from qcache.footprint import reachable_bytes
-
-    return reachable_bytes(cache)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -582,7 +576,7 @@ def run_needles(model, tokenizer, text: str, entries: Sequence[CacheEntry], sett
                 cache = fill_cache(model, e.make(), fill_ids, settings.chunk)
                 bar.update(len(chunk_bounds(fill_ids.shape[1], settings.chunk)))
                 fill_seconds = time.perf_counter() - wall
-                held = _reachable(cache)
+                held = reachable_bytes(cache)
                 scores = []
                 for needle in needles:
                     scores.extend(score_needles(model, cache, [needle]))
@@ -657,8 +651,8 @@ def _fidelity_section(report: dict) -> list[str]:
                          f"PPL {_f(report['reference_ppl'], '.3f')} | | 1.00 |")
         else:
             lines.append(
-                f"| {r['cache']} | {_f(r['bits_per_value'], '.2f')} | {_f(r['kl'], '.3g')} {_ci(r['ci95']['kl'], '.3g')}"
-                f" | {_ci(r['kl_doc_range'], '.3g')} | {_pct(r['top1'])} "
+                f"| {r['cache']} | {_f(r['bits_per_value'], '.2f')} | {_f(r['kl'], '.3g')} "
+                f"{_ci(r['ci95']['kl'], '.3g')} | {_ci(r['kl_doc_range'], '.3g')} | {_pct(r['top1'])} "
                 f"[{_pct(r['ci95']['top1'][0])}, {_pct(r['ci95']['top1'][1])}] | {_f(r['delta_ppl_pct'], '+.2f')} "
                 f"{_ci(r['ci95']['delta_ppl_pct'], '+.2f')} | {_ci(r['delta_ppl_pct_doc_range'], '+.2f')} | "
                 f"{_f(r['seconds'] / ref['seconds'] if ref['seconds'] else None, '.2f')} |")
@@ -749,14 +743,18 @@ def plot(report: dict, path: Path) -> None:
             ax.axvline(ref["bits_per_value"], color="gray", lw=0.8, ls=":")
             ax.annotate("default", (ref["bits_per_value"], 0.5), xycoords=("data", "axes fraction"), rotation=90,
                         fontsize=8, color="gray", ha="right")
-        for r, (x, y) in zip(rows, pts):
+        for r, (x, y) in zip(rows, pts, strict=True):
             lo, hi = r["ci95"][key]
             ax.errorbar(x, y, yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt="o", ms=4, capsize=2,
                         color="C0" if r["spec"]["kind"] == "quant" else "C1")
             ax.annotate(r["cache"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        front = pareto_front(pts)
+        candidates = list(pts)
+        if key == "delta_ppl_pct" and ref is not None and ref.get("bits_per_value") is not None:
+            candidates.append((ref["bits_per_value"], 0.0))  # the default cache: Δ PPL 0 by definition
+            ax.plot(*candidates[-1], marker="s", color="gray", ms=5)
+        front = pareto_front(candidates)
         if front:
-            fx, fy = zip(*(pts[i] for i in front))
+            fx, fy = zip(*(candidates[i] for i in front), strict=True)
             ax.step(fx, fy, where="post", color="C2", lw=1, label="Pareto front")
         if yscale == "log" and any(y > 0 for _, y in pts):
             ax.set_yscale("log")
@@ -904,8 +902,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "model": args.model, "command": command, "started": started, "timings": timings,
         "cpu_seconds": time.process_time(),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), "
-                   f"{torch.get_num_threads()} torch threads",
+        "machine": _machine(),
         "load_average": {"start": load_before, "end": _load_average()}, "git": _git_state(),
         "versions": {"qcache": qcache.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__, "python": platform.python_version()},
@@ -922,6 +919,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"wrote {out}.json, {out}.md" + (f", {out}.png" if fidelity_rows else "")
           + f"; total time {timings['total']:.0f} s")
     return report
+
+
+def _machine() -> str:
+    """CPU model, cores, memory and torch threads (what the timings ran on)."""
+    model, memory = platform.processor() or platform.machine(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                     model)
+        kib = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                       if line.startswith("MemTotal")))
+        memory = f", {kib / 2**20:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    return f"{model}, {os.cpu_count()} CPUs{memory}, {torch.get_num_threads()} torch threads"
 
 
 def _unique(specs: Sequence[CacheSpec]) -> list[CacheSpec]:

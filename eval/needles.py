@@ -205,11 +205,11 @@ def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, 
     rng = random.Random(seed)
     keys = _draw_words(tokenizer, _KEYS, count, rng, text, "keys")
     kind, values = values, _draw_values(tokenizer, values, count, rng, text)
-    needle_ids = [_ids(tokenizer, needle_text(k, v, kind)) for k, v in zip(keys, values)]
+    needle_ids = [_ids(tokenizer, needle_text(k, v, kind)) for k, v in zip(keys, values, strict=True)]
     questions = [tuple(_ids(tokenizer, question_text(k, kind))) for k in keys]
     answers = [tuple(_ids(tokenizer, f" {v}")) for v in values]
     prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])  # e.g. [<bos>] for Gemma, [] for SmolLM2
-    fill_len = (length - max(len(q) + len(a) for q, a in zip(questions, answers))) // align * align
+    fill_len = (length - max(len(q) + len(a) for q, a in zip(questions, answers, strict=True))) // align * align
     hay_len = fill_len - len(prefix) - sum(len(n) for n in needle_ids)
     if hay_len < count:
         raise ValueError(f"length={length} is too short for {count} needles (they alone need "
@@ -227,7 +227,8 @@ def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, 
                    target)
         cuts.append(max(end, cuts[-1] if cuts else 0))
     filled, needles, prev = list(prefix), [], 0
-    for cut, key, value, ids, q, a in zip(cuts, keys, values, needle_ids, questions, answers):
+    for cut, key, value, ids, q, a in zip(cuts, keys, values, needle_ids, questions, answers,
+                                                 strict=True):
         filled += haystack[prev:cut]
         needles.append(Needle(key, value, len(filled) / fill_len, len(filled), q, a))
         filled += ids
