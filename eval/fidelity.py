@@ -105,10 +105,10 @@ class ModelDefaults:
     note: str = ""
 
 
-# sized for about 35 minutes per model on 2 idle CPU cores with the default caches (the markdown says so per run):
-# SmolLM2: ~11 min per 8k document (Transformers' HQQ cache alone ~5: it re-quantizes its whole cache per chunk),
-# ~13 min of needles; Gemma-3: ~10 min per 32k document, ~15 min of needles; the eval split holds 2 Gemma documents
-# of 32k tokens
+# sized for about 35 minutes per model with the default caches on 2 nearly idle CPU cores (bf16, measured per cache):
+# SmolLM2 ~10.5 min per 8k document (Transformers' HQQ caches ~4 of them: they re-quantize the whole cache at every
+# chunk) and ~13 min of needles; Gemma-3 ~10.5 min per 32k document and ~14 min of needles. The eval split holds two
+# Gemma documents of 32k tokens.
 MODEL_DEFAULTS = {
     "smollm2-135m": ModelDefaults(context=8192, docs=2, lengths=(2048, 4096, 8192),
                                   note="SmolLM2-135M's maximum context"),
