@@ -131,7 +131,7 @@ def _failed(spec: CacheSpec, err: Exception) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _auto_calibration(lm, spec: CacheSpec) -> dict:
+def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     """`calibration=auto`: calibrate the loaded model for this spec's options on the calibration split (text the
     evaluation never reads) and use the file; other options are returned unchanged."""
     if spec.options.get("calibration") != "auto":
@@ -145,11 +145,11 @@ def _auto_calibration(lm, spec: CacheSpec) -> dict:
     config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
     from qcache.models import default_cache_dir
 
-    name = Path(lm.model.config.name_or_path or "model").name
+    name = Path(model.config.name_or_path or "model").name
     path = default_cache_dir() / "calibration" / f"{name}-{spec.label}.qcache.safetensors".replace("/", "_")
     start = time.perf_counter()
     log.info("%s: calibrating %s on the calibration split first (progress below)", spec.label, name)
-    save_calibration(path, calibrate_model(lm.model, lm.tokenizer, config, name, progress=True))
+    save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True))
     log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
     return {**spec.options, "calibration": str(path)}
 
@@ -157,7 +157,7 @@ def _auto_calibration(lm, spec: CacheSpec) -> dict:
 def _use(lm, spec: CacheSpec) -> str | None:
     """Switch `lm` to `spec`; the error message when the cache cannot be built for this model."""
     try:
-        lm.set_cache(spec.kind, bits=spec.bits, **_auto_calibration(lm, spec))
+        lm.set_cache(spec.kind, bits=spec.bits, **auto_calibration(lm.model, lm.tokenizer, spec))
     except (ValueError, ImportError, NotImplementedError) as err:
         log.warning("%s: %s", spec.label, err)
         return str(err)

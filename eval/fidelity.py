@@ -49,7 +49,6 @@ import platform
 import shlex
 import sys
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,7 +57,7 @@ import torch
 
 from qcache.footprint import reachable_bytes
 
-from .compare import CacheSpec, _auto_calibration, _git_state, _load_average
+from .compare import CacheSpec, _git_state, _load_average, auto_calibration
 from .needles import (
     VALUE_KINDS,
     NeedleScore,
@@ -493,12 +492,11 @@ def prepare_caches(model, tokenizer, specs: Sequence[CacheSpec]) -> list[CacheEn
     from .adapter import parse_cache_options
 
     entries = []
-    loaded = types.SimpleNamespace(model=model, tokenizer=tokenizer)  # what _auto_calibration reads
     for spec in specs:
         entry = CacheEntry(spec, spec.label)
         try:
             start = time.perf_counter()
-            options = _auto_calibration(loaded, spec)
+            options = auto_calibration(model, tokenizer, spec)
             if spec.options.get("calibration") == "auto":
                 entry.calibration_seconds = time.perf_counter() - start
             bits, parsed = parse_cache_options(options)

@@ -392,7 +392,7 @@ def test_auto_calibration_calibrates_for_the_spec(lm, tmp_path, monkeypatch, cap
 
     monkeypatch.setenv("QCACHE_HOME", str(tmp_path))
     spec = compare.CacheSpec.parse("quant:2:calibration=auto,outliers=1")
-    options = compare._auto_calibration(lm, spec)
+    options = compare.auto_calibration(lm.model, lm.tokenizer, spec)
     progress = capsys.readouterr().err
     assert "calibration forward" in progress and "fit layers" in progress and "100%" in progress  # tqdm bars
     path = Path(options["calibration"])
@@ -404,7 +404,7 @@ def test_auto_calibration_calibrates_for_the_spec(lm, tmp_path, monkeypatch, cap
         assert compare._use(lm, spec) is None and lm.cache_options["calibration"].endswith(".qcache.safetensors")
     finally:
         lm.set_cache("quant", bits=4)
-    assert compare._auto_calibration(lm, compare.CacheSpec.parse("quant:2")) == {}
+    assert compare.auto_calibration(lm.model, lm.tokenizer, compare.CacheSpec.parse("quant:2")) == {}
 
 
 def test_checkpoint_extends_a_finished_report(tmp_path):
