@@ -38,6 +38,8 @@ from .calibfile import CalibrationData, load_calibration
 from .codec import KeyCodec, ValueCodec
 from .config import CLIP_RATIOS, QuantCacheConfig
 from .kernels import Quantized
+from .levels import levels_tensor
+from .rotation import SharedRotation
 from .rope import RopeHelper, modeling_module_of, rotate_half_width, compose
 from .store import PackedStore, Part
 
@@ -61,10 +63,11 @@ class CacheMemory:
     scales: int = 0  # scales and zero-points (and static key ranges)
     outliers: int = 0  # dense-and-sparse outliers: values and their 1-byte offsets
     full_precision: int = 0  # sinks, the block being filled, the recent window, native sliding layers
-    codebooks: int = 0  # calibrated levels
+    codebooks: int = 0  # levels: calibrated, or data-free (levels="lloyd-max")
     positions: int = 0  # bookkeeping: the first position of each row (and a sliding layer's window size)
     rope: int = 0  # the rotary module's frequencies and the small RoPE offset tables
     reserved: int = 0  # preallocated capacity not in use yet
+    rotation: int = 0  # the rotation matrix (rotation="hadamard"), one per cache and device
     tokens: int = 0  # tokens held by the longest layer
 
     @property
@@ -135,16 +138,20 @@ class QuantLayer(CacheLayerMixin):
         rope: the model's RoPE (None: keys stored as attention produced them, `rope="post"`).
         sliding_window: the window of a sliding-attention layer quantized like the others (None: full attention).
         calibration: this layer's calibrated tensors (`k_codebook`, `v_codebook`, `k_static_zero/_scale`) or None.
+        rotation: with `cfg.rotation="hadamard"`, the cache's `SharedRotation` (counted by the cache); None: the layer
+            builds its own at the first update (and counts it).
     """
 
     is_compileable = False
     is_croppable = True
 
     def __init__(self, cfg: QuantCacheConfig, layer_idx: int, rope: RopeHelper | None,
-                 sliding_window: int | None = None, calibration: dict[str, torch.Tensor] | None = None):
+                 sliding_window: int | None = None, calibration: dict[str, torch.Tensor] | None = None,
+                 rotation: SharedRotation | None = None):
         super().__init__()
         self.cfg = cfg
         calibration = calibration or {}
+        _check_calibration_options(cfg, bool(calibration))
         k_consts = {"codebook": calibration.get("k_codebook") if cfg.codebooks else None}
         v_consts = {"codebook": calibration.get("v_codebook") if cfg.codebooks else None}
         for name, cb, bits in (("k_codebook", k_consts["codebook"], cfg.k_bits),
@@ -158,14 +165,20 @@ class QuantLayer(CacheLayerMixin):
                                  f"{layer_idx} has none); allowed without one: static_keys=False")
             k_consts["static_zero"], k_consts["static_scale"] = (calibration["k_static_zero"],
                                                                  calibration["k_static_scale"])  # [H, D] each
+        if cfg.levels == "lloyd-max":  # data-free levels (the value group is known at the first update)
+            k_consts["codebook"] = levels_tensor(cfg.k_bits, cfg.k_group_size, cfg.outliers)
         self.consts = {"k": k_consts, "v": v_consts}
+        self._rotation = rotation
+        self._owns_rotation = False
         scale_dtype = _SCALE_DTYPES[cfg.scale_dtype]
         clip = CLIP_RATIOS if cfg.clip_search else (1.0,)
         self.k_codec = KeyCodec(bits=cfg.k_bits, group=1 if cfg.static_keys else cfg.k_group_size,
                                 scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
-                                codebook=k_consts["codebook"] is not None, static=cfg.static_keys)
+                                codebook=k_consts["codebook"] is not None, static=cfg.static_keys,
+                                rotation=cfg.rotation != "none")
         self._v_codec_args = dict(bits=cfg.v_bits, scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
-                                  codebook=v_consts["codebook"] is not None)
+                                  codebook=v_consts["codebook"] is not None or cfg.levels == "lloyd-max",
+                                  rotation=cfg.rotation != "none")
         self.v_codec: ValueCodec | None = None  # its group depends on head_dim: built at the first update
         self.layer_idx = layer_idx
         self.rope = rope
@@ -190,6 +203,15 @@ class QuantLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.v_codec = ValueCodec(group=self.cfg.value_group_size(D), **self._v_codec_args)
+        if self.cfg.levels == "lloyd-max":
+            self.consts["v"]["codebook"] = levels_tensor(self.cfg.v_bits, self.v_codec.group, self.cfg.outliers)
+        if self.cfg.rotation != "none":
+            if self._rotation is None:
+                self._rotation, self._owns_rotation = SharedRotation(D, self.cfg.rotation_seed), True
+            elif self._rotation.head_dim != D:
+                raise ValueError(f"layer {self.layer_idx}: rotation built for head_dim {self._rotation.head_dim}, "
+                                 f"states have head_dim {D}")
+            self.consts["k"]["rotation"] = self.consts["v"]["rotation"] = self._rotation.on(self.device)
         self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
         full = [Part(name, axis, (D,), self.dtype, "full_precision")
                 for name, axis in (("sink_k", "sink"), ("sink_v", "sink"), ("res_k", "residual"),
@@ -469,18 +491,32 @@ class QuantLayer(CacheLayerMixin):
 
     def memory(self) -> CacheMemory:
         """Bytes held by this layer (the RoPE helper, shared by the layers of a cache, is counted by the cache)."""
+        rotation = self._rotation.nbytes() if self._owns_rotation else 0  # else the cache counts it, once
         if not self.is_initialized:
             return CacheMemory(codebooks=_nbytes(self.consts["k"]["codebook"], self.consts["v"]["codebook"]),
                                scales=_nbytes(self.consts["k"].get("static_zero"),
-                                              self.consts["k"].get("static_scale")))
+                                              self.consts["k"].get("static_scale")), rotation=rotation)
         parts = self.store.nbytes()
         return CacheMemory(
             packed=parts["packed"], scales=parts["scales"] + _nbytes(self.consts["k"].get("static_zero"),
                                                                      self.consts["k"].get("static_scale")),
             outliers=parts["outliers"], full_precision=parts["full_precision"],
             codebooks=_nbytes(self.consts["k"]["codebook"], self.consts["v"]["codebook"]),
-            positions=_nbytes(self.first), reserved=parts["reserved"], tokens=self.stored_length(),
+            positions=_nbytes(self.first), reserved=parts["reserved"], tokens=self.stored_length(), rotation=rotation,
         )
+
+
+def _check_calibration_options(cfg: QuantCacheConfig, calibrated: bool) -> None:
+    """Options that do not combine with a calibration file's levels (fitted without rotation, and a second source
+    of levels)."""
+    if not calibrated or not cfg.codebooks:
+        return
+    if cfg.levels != "uniform":
+        raise ValueError(f"levels={cfg.levels!r} with a calibration file's codebooks (codebooks=True) gives two sources "
+                         "of levels; allowed: codebooks=False (data-free levels) or levels='uniform' (the file's)")
+    if cfg.rotation != "none":
+        raise ValueError(f"rotation={cfg.rotation!r} with a calibration file's codebooks (codebooks=True): the codebooks "
+                         "were fitted to unrotated keys and values; allowed: codebooks=False or rotation='none'")
 
 
 def _write_planes(out: torch.Tensor, planes: list[torch.Tensor]) -> None:
@@ -595,12 +631,14 @@ class QuantCache(Cache):
                     base.pop("k_bits"), base.pop("v_bits")
                 given = {**base, **given}
             options = QuantCacheConfig(**given)
+        _check_calibration_options(options, calibration is not None)
         if options.static_keys and calibration is None:
             raise ValueError("static_keys=True needs a calibration file (calibration=path); allowed without one: "
                              "static_keys=False")
         self.options = options
         super().__init__(layers=[])
         self._fingerprint: dict | None = None
+        self._rotation: SharedRotation | None = None  # rotation="hadamard": one matrix for all layers (at _bind)
         self._config_obj = None
         self._text_config = None
         self._explicit = config is not None
@@ -622,17 +660,21 @@ class QuantCache(Cache):
         if self.options.rope == "pre":
             rope = RopeHelper(text_config, modeling_module=modeling_module, prefix=prefix)
         layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
+        # one rotation matrix for every layer (raises here if head_dim is not a power of two)
+        self._rotation = (SharedRotation(fingerprint["head_dim"], self.options.rotation_seed)
+                          if self.options.rotation != "none" else None)
         layers = []
         for idx, layer_type in enumerate(layer_types):
             calib = self.calibration.layer(idx) if self.calibration is not None else None
             if layer_type == "full_attention":
-                layers.append(QuantLayer(self.options, idx, rope, calibration=calib))
+                layers.append(QuantLayer(self.options, idx, rope, calibration=calib, rotation=self._rotation))
             elif layer_type == "sliding_attention":
                 window = text_config.sliding_window
                 if self.options.sliding_layers == "native":
                     layers.append(SlidingWindowLayer(sliding_window=window))
                 else:
-                    layers.append(QuantLayer(self.options, idx, rope, sliding_window=window, calibration=calib))
+                    layers.append(QuantLayer(self.options, idx, rope, sliding_window=window, calibration=calib,
+                                             rotation=self._rotation))
             else:
                 raise ValueError(
                     f"layer {idx} of model_type={fingerprint['model_type']!r} has layer type {layer_type!r}; "
@@ -734,6 +776,8 @@ class QuantCache(Cache):
         rope = next((layer.rope for layer in self.layers if isinstance(layer, QuantLayer) and layer.rope), None)
         if rope is not None:
             total.rope += rope.nbytes()
+        if self._rotation is not None:
+            total.rotation += self._rotation.nbytes()
         if self.calibration is not None:  # the layers' tensors, counted once: only those no layer uses yet
             used = {id(t) for layer in self.layers if isinstance(layer, QuantLayer)
                     for consts in layer.consts.values() for t in consts.values() if t is not None}

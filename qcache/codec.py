@@ -16,8 +16,11 @@ beside it as `consts`, so that compiled code specializes on the description, not
     ValueCodec one token over `group` consecutive channels  scale, zero; `outliers` (offset, value) pairs
     ========== ============================================ ==============================================
 
-Levels are uniform (`zero + code * scale`) or, with `codebook=True`, the calibrated levels of `consts["codebook"]`
-(qcache/quant.py). Codes are packed in planes (qcache/quant.py): `planes` returns the channel slices of the packing
+Levels are uniform (`zero + code * scale`) or, with `codebook=True`, the levels of `consts["codebook"]` (calibrated,
+or data-free Lloyd-Max levels: qcache/levels.py) (qcache/quant.py). With `rotation=True` every token is multiplied
+by the orthogonal `consts["rotation"]` [D, D] (qcache/rotation.py) before it is encoded, and `planes` multiplies the
+decoded tokens by its transpose (`rotated=True` leaves them rotated, for a caller that un-rotates once later, as
+the fused decode does with the attention-weighted sum of values); groups and outliers live in rotated space. Codes are packed in planes (qcache/quant.py): `planes` returns the channel slices of the packing
 ([B, H, n, w] each, in channel order) so that RoPE pairs can be rotated without interleaving.
 
 Example:
@@ -50,6 +53,7 @@ class _GroupCodec:
     outliers: int = 0
     clip_ratios: tuple[float, ...] = (1.0,)
     codebook: bool = False
+    rotation: bool = False
     prefix: str = ""
 
     def _name(self, part: str) -> str:
@@ -63,6 +67,23 @@ class _GroupCodec:
             raise ValueError(f"codec {self} needs a codebook of {2**self.bits} levels in consts; got "
                              f"{None if cb is None else cb.numel()}")
         return cb
+
+    def rotate(self, x: torch.Tensor, consts: dict) -> torch.Tensor:
+        """x [..., D] fp32 in the space the codes are in: x @ R (x itself without `rotation`)."""
+        return x @ consts["rotation"] if self.rotation else x
+
+    def unrotate(self, x: torch.Tensor, consts: dict) -> torch.Tensor:
+        """Inverse of `rotate`: x @ R^T (R orthogonal)."""
+        return x @ consts["rotation"].T if self.rotation else x
+
+    def planes(self, parts: dict, consts: dict, rotated: bool = False) -> list[torch.Tensor]:
+        """fp32 decoded entries as channel planes [B, H, n, w] (in channel order); with `rotation`, un-rotated
+        unless `rotated` (then still in rotated space)."""
+        planes = self._planes(parts, consts)
+        if not self.rotation or rotated:
+            return planes
+        x = self.unrotate(torch.cat(planes, dim=-1), consts)  # [B, H, n, D]
+        return list(x.chunk(len(planes), dim=-1)) if x.shape[-1] % len(planes) == 0 else [x]
 
 
 @dataclass(frozen=True)
@@ -78,6 +99,7 @@ class KeyCodec(_GroupCodec):
             1-byte offset in the block) and left out of the range.
         clip_ratios: candidate shrinks of each group's range; each group keeps the least squared error.
         codebook: levels from `consts["codebook"]` instead of uniform steps.
+        rotation: tokens are multiplied by `consts["rotation"]` before encoding (and back when decoded).
         static: the range of channel c is `consts["static_zero"/"static_scale"][h, c]` for every token.
         prefix: prepended to the part names (a store holds keys and values).
 
@@ -110,6 +132,7 @@ class KeyCodec(_GroupCodec):
         out of the ranges. Returns {part name: tensor} as `parts` declares them."""
         out = {}
         keep = valid
+        k = self.rotate(k, consts)
         if self.outliers:
             idx, val, keep = select_outliers(k, self.outliers, self.group, dim=2, mask=valid)
             out[self._name("out_idx")], out[self._name("out_val")] = idx, val  # [B, H, n/G, m, D]
@@ -125,8 +148,9 @@ class KeyCodec(_GroupCodec):
         out[self._name("codes")] = pack(codes, self.bits)
         return out
 
-    def planes(self, parts: dict, consts: dict) -> list[torch.Tensor]:
-        """fp32 pre-RoPE keys of the stored entries as channel planes [B, H, n, w] (in channel order)."""
+    def _planes(self, parts: dict, consts: dict) -> list[torch.Tensor]:
+        """fp32 pre-RoPE keys of the stored entries as channel planes [B, H, n, w] (in channel order; rotated space
+        with `rotation`)."""
         codebook = self._levels(consts)
         planes, a = [], 0
         for codes in code_planes(parts[self._name("codes")], self.bits):
@@ -180,6 +204,7 @@ class ValueCodec(_GroupCodec):
         own, so they never widen a real token's range.)"""
         out = {}
         keep = None
+        v = self.rotate(v, consts)
         if self.outliers:
             idx, val, keep = select_outliers(v, self.outliers, self.group, dim=3)
             out[self._name("out_idx")], out[self._name("out_val")] = idx, val  # [B, H, n, D/g, m]
@@ -189,8 +214,9 @@ class ValueCodec(_GroupCodec):
         out[self._name("codes")], out[self._name("scale")], out[self._name("zero")] = pack(codes, self.bits), scale, zero
         return out
 
-    def planes(self, parts: dict, consts: dict) -> list[torch.Tensor]:
-        """fp32 values of the stored entries as channel planes [B, H, n, w] (in channel order)."""
+    def _planes(self, parts: dict, consts: dict) -> list[torch.Tensor]:
+        """fp32 values of the stored entries as channel planes [B, H, n, w] (in channel order; rotated space with
+        `rotation`)."""
         codebook = self._levels(consts)
         vq, scale, zero = parts[self._name("codes")], parts[self._name("scale")], parts[self._name("zero")]
         out_idx, out_val = (parts[self._name("out_idx")], parts[self._name("out_val")]) if self.outliers else (None,

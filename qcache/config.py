@@ -14,8 +14,11 @@ SLIDING_MODES = ("native", "quantized")
 ROPE_MODES = ("pre", "post")
 KERNELS = ("auto", "eager", "compiled")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
+ROTATIONS = ("none", "hadamard")  # qcache/rotation.py
+LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
 
-__all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS"]
+__all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS",
+           "LEVELS"]
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -65,6 +68,16 @@ class QuantCacheConfig:
             "compiled" where torch.compile works on the cache's device (tried once per device type, with one INFO
             log line saying which path runs), else "eager"; the environment variable QCACHE_KERNEL=eager|compiled
             decides for every cache left on "auto".
+        rotation: "none" (default) or "hadamard": each quantized key (pre-RoPE) and value token is multiplied by a
+            seeded randomized Hadamard matrix over head_dim before it is encoded and by its transpose when read
+            (qcache/rotation.py), spreading outlier channels over all channels. head_dim must be a power of two.
+            Full-precision tokens are not rotated. Not combinable with static_keys or calibrated codebooks (both
+            calibrated in unrotated space).
+        rotation_seed: seed of the rotation's ±1 signs (one matrix for every layer of a cache).
+        levels: "uniform" (default) or "lloyd-max": data-free non-uniform levels, the Lloyd-Max levels of
+            min-max normalized Gaussian groups of the codec's group size (qcache/levels.py); best with
+            rotation="hadamard". Not combinable with a calibration file's codebooks (pass codebooks=False) or
+            static_keys.
 
     Example:
         >>> QuantCacheConfig(bits=2).k_bits
@@ -86,6 +99,9 @@ class QuantCacheConfig:
     static_keys: bool = False
     kernel: str = "auto"
     outliers: int = 0
+    rotation: str = "none"
+    rotation_seed: int = 0
+    levels: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.bits is not None:
@@ -120,6 +136,16 @@ class QuantCacheConfig:
                                  f"{self.k_group_size}, v_group_size={self.v_group_size or 'auto, >= 8'})")
         for name in ("clip_search", "codebooks", "static_keys"):
             _check_choice(name, getattr(self, name), (True, False))
+        _check_choice("rotation", self.rotation, ROTATIONS)
+        _check_nonneg_int("rotation_seed", self.rotation_seed)
+        _check_choice("levels", self.levels, LEVELS)
+        if self.static_keys and self.rotation != "none":
+            raise ValueError(f"rotation={self.rotation!r} is not supported with static_keys=True (static key ranges are "
+                             "calibrated in unrotated space); allowed: rotation='none' or static_keys=False")
+        if self.static_keys and self.levels != "uniform":
+            raise ValueError(f"levels={self.levels!r} is not supported with static_keys=True (the levels are fitted to "
+                             "each group's own min/max, static keys have none); allowed: levels='uniform' or "
+                             "static_keys=False")
 
     def value_group_size(self, head_dim: int) -> int:
         """The value group size used for `head_dim` (raises if it does not tile head_dim)."""
@@ -163,8 +189,8 @@ class QuantCacheConfig:
                         fp_bytes: int = 2) -> float:
         """Expected bytes held per token (one batch row), averaged over `num_tokens`, all layers: packed data +
         scales/zeros + outliers + full-precision tokens + the int64 first position kept per row. Matches what
-        `QuantCache.memory()` counts, less its preallocated-but-unused capacity (`reserved`) and the RoPE helper's
-        few KB (`rope`)."""
+        `QuantCache.memory()` counts, less its preallocated-but-unused capacity (`reserved`), the RoPE helper's
+        few KB (`rope`) and the per-cache constants (`codebooks`, `rotation`)."""
         self.check_head_dim(head_dim)
         sb = SCALE_DTYPES[self.scale_dtype]
         fp = self.full_precision_tokens(num_tokens)

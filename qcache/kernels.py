@@ -39,7 +39,7 @@ class Quantized(NamedTuple):
     """The quantized region of a layer, as the kernels read it.
 
     k / v: {part name: view [B, H, n or blocks, ...]} from the store; k_consts / v_consts: the codecs' per-layer
-    tensors (codebook, static ranges); rope: `RopeHelper.factors` of the region's positions, or None (no RoPE)."""
+    tensors (codebook, static ranges, rotation); rope: `RopeHelper.factors` of the region's positions, or None (no RoPE)."""
 
     k: dict
     v: dict
@@ -98,7 +98,9 @@ def decode_attention(query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor
 
     The quantized keys and values are dequantized plane by plane (RoPE on the pairs) into fp32 and multiplied
     with one matmul each (measured faster under inductor than a fused multiply-sum, which recomputes the
-    dequantization for each of the G query heads, or than one matmul per plane)."""
+    dequantization for each of the G query heads, or than one matmul per plane). With `rotation`, the keys are
+    un-rotated per token before RoPE (RoPE does not commute with the rotation) and the values once, in the output
+    [B, H, G, D] rather than per token."""
     keys = torch.cat(key_planes(q, k_codec), dim=-1)  # [B, H, Tq, D]
     S, Tq = n_sink, keys.shape[2]
     s_q = query @ keys.transpose(-1, -2)  # [B, H, G, Tq]
@@ -108,8 +110,9 @@ def decode_attention(query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
     p_fp = torch.cat([probs[..., :S], probs[..., S + Tq:]], dim=-1)
-    values = torch.cat(v_codec.planes(q.v, q.v_consts), dim=-1)  # [B, H, Tq, D]
-    return probs[..., S:S + Tq] @ values + p_fp @ fp_v.float()
+    # with a rotation the values stay rotated and the weighted sum is un-rotated once: (P V R) R^T = P V
+    values = torch.cat(v_codec.planes(q.v, q.v_consts, rotated=True), dim=-1)  # [B, H, Tq, D]
+    return v_codec.unrotate(probs[..., S:S + Tq] @ values, q.v_consts) + p_fp @ fp_v.float()
 
 
 logger = logging.getLogger(__name__)

@@ -38,9 +38,10 @@ import functools
 
 import torch
 
+from .config import LEVELS
+
 __all__ = ["LEVELS", "lloyd_max_levels", "levels_tensor"]
 
-LEVELS = ("uniform", "lloyd-max")
 _SAMPLES = 2**20
 _BINS = 2**14
 _SEED = 20260

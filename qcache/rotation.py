@@ -22,9 +22,10 @@ import math
 
 import torch
 
+from .config import ROTATIONS
+
 __all__ = ["ROTATIONS", "hadamard_rotation", "check_rotation_dim", "SharedRotation"]
 
-ROTATIONS = ("none", "hadamard")
 
 
 def check_rotation_dim(head_dim: int) -> None:
