@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .harness import RETRIEVAL_TASKS, offline_environment, task_manager
+from .provenance import git_state, load_average
 
 log = logging.getLogger("eval.compare")
 
@@ -139,7 +140,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     from qcache.calibrate import calibrate_model, save_calibration
     from qcache.config import QuantCacheConfig
 
-    from .adapter import parse_cache_options
+    from .options import parse_cache_options
 
     bits, options = parse_cache_options({k: v for k, v in spec.options.items() if k != "calibration"})
     config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
@@ -521,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out or f"docs/results/eval-{Path(args.model).name}")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    start, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S"), _load_average()
+    start, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S"), load_average()
     settings = {"ppl_docs": args.ppl_docs, "ppl_doc_chars": args.ppl_doc_chars, "chunk_size": args.chunk_size,
                 "retrieval_tasks": args.retrieval_tasks, "lengths": args.lengths, "samples": args.samples,
                 "max_gen_toks": args.max_gen_toks, "dtype": args.dtype, "device": device}
@@ -541,8 +542,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model, "model_path": path, "command": command, "started": started,
         "seconds_total": time.perf_counter() - start,
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {device}, {torch.get_num_threads()} torch threads",
-        "load_average": {"start": load_before, "end": _load_average()},  # other jobs on the machine: times are noise
-        "git": _git_state(),
+        "load_average": {"start": load_before, "end": load_average()},  # other jobs on the machine: times are noise
+        "git": git_state(),
         "versions": {"qcache": qcache.__version__, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
                      else _dist_version("lm_eval"), "transformers": transformers.__version__,
                      "torch": torch.__version__, "python": platform.python_version()},
@@ -557,28 +558,6 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint.discard()
     print(f"wrote {out}.json, {out}.md, {out}.png ({report['seconds_total']:.0f} s)")
     return report
-
-
-def _git_state() -> dict | None:
-    """The checkout the run used (commit, and whether tracked files differed from it), when it is a git one."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
-
-
-def _load_average() -> list[float] | None:
-    """1/5/15-minute load averages (None where the OS has none)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
 
 
 def _dist_version(name: str) -> str:

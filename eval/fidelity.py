@@ -57,7 +57,7 @@ import torch
 
 from qcache.footprint import reachable_bytes
 
-from .compare import CacheSpec, _git_state, _load_average, auto_calibration
+from .compare import CacheSpec, auto_calibration
 from .needles import (
     VALUE_KINDS,
     NeedleScore,
@@ -69,6 +69,7 @@ from .needles import (
     score_needles,
     wilson_interval,
 )
+from .provenance import git_state, load_average
 
 __all__ = [
     "MODEL_DEFAULTS",
@@ -85,6 +86,10 @@ __all__ = [
     "summarize_fidelity",
     "summarize_needles",
     "pareto_front",
+    "CacheEntry",
+    "prepare_caches",
+    "run_fidelity",
+    "run_needles",
     "needle_align",
     "markdown",
     "plot",
@@ -332,7 +337,7 @@ def lockstep_document(model, ids: torch.Tensor, doc: int, reference: CacheTrack,
     """Feed one document `ids` [L] through the reference and every candidate, chunk by chunk; append each chunk's
     sums to the candidates' tracks and the bits held at the end to every track. A candidate that raises is
     marked with its error and dropped (its cache freed); the others go on."""
-    from .adapter import chunk_bounds
+    from .options import chunk_bounds
 
     device = next(model.parameters()).device
     length = ids.shape[0]
@@ -489,7 +494,7 @@ def prepare_caches(model, tokenizer, specs: Sequence[CacheSpec]) -> list[CacheEn
     refuses (ValueError, ImportError, NotImplementedError when built) come back with `refused` set."""
     from qcache.caches import cache_factory
 
-    from .adapter import parse_cache_options
+    from .options import parse_cache_options
 
     entries = []
     for spec in specs:
@@ -513,7 +518,7 @@ def run_fidelity(model, ids: torch.Tensor, entries: Sequence[CacheEntry], settin
     """Every document through every cache in lockstep; one row per cache (the reference first)."""
     from tqdm.auto import tqdm
 
-    from .adapter import chunk_bounds
+    from .options import chunk_bounds
 
     ref_entry = next(e for e in entries if e.spec.kind == REFERENCE)
     reference = CacheTrack(ref_entry.label, ref_entry.make)
@@ -551,7 +556,7 @@ def run_needles(model, tokenizer, text: str, entries: Sequence[CacheEntry], sett
     """Per length, per cache: fill once, score every needle; one row per cache and length."""
     from tqdm.auto import tqdm
 
-    from .adapter import chunk_bounds
+    from .options import chunk_bounds
 
     usable = [e for e in entries if e.refused is None]
     align = needle_align(settings.chunk)
@@ -868,7 +873,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    t0, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S"), _load_average()
+    t0, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S"), load_average()
     model, tokenizer = load_model(args.model, dtype=_DTYPES[settings.dtype])
     text_config = model.config.get_text_config(decoder=True)
     try:
@@ -901,7 +906,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model, "command": command, "started": started, "timings": timings,
         "cpu_seconds": time.process_time(),
         "machine": _machine(),
-        "load_average": {"start": load_before, "end": _load_average()}, "git": _git_state(),
+        "load_average": {"start": load_before, "end": load_average()}, "git": git_state(),
         "versions": {"qcache": qcache.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__, "python": platform.python_version()},
         "settings": {**asdict(settings), "lengths": list(settings.lengths), "score_start": settings.score_start,

@@ -61,9 +61,11 @@ def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int
 
 
 def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
-                    samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str = "float32",
+                    samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str | None = None,
                     progress: bool = True):
-    """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved)."""
+    """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved).
+
+    `dtype` is recorded in the file's settings; None records the dtype the model's weights are in."""
     from calibration import calibrate
 
     from .data import read_split, sha256_of_split
@@ -75,6 +77,8 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
         text, source, sha = read_split("calibration"), "dataset_build eng (qcache.data calibration split)", \
             sha256_of_split("calibration")
     ids = sample_sequences(tokenizer, text, samples, seq_len, seed)
+    if dtype is None:
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     settings = {"model": model_name, "data_source": source, "data_sha256": sha, "samples": samples,
                 "seq_len": seq_len, "dtype": dtype}
     return calibrate(model, ids, options, settings, seed=seed, progress=progress)

@@ -693,8 +693,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.error(str(err))
     result["timings"] = {"load": load_seconds, **result["timings"], "total": time.perf_counter() - t0}
     try:
-        from eval.compare import _git_state
-        git = _git_state()
+        from eval.provenance import git_state
+        git = git_state()
     except ImportError:  # pragma: no cover - diagnose already needed eval
         git = None
     report = {

@@ -45,7 +45,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,0 +1,92 @@
+"""Cache options as lm-eval and the runners hand them over, and how a sequence is fed through a cache in chunks.
+
+No lm-eval import here: the fidelity runner, the needles and the doctor use these without lm-eval's start-up cost.
+
+Example:
+    >>> parse_cache_options({"bits": "3", "sink_tokens": "0"})
+    (3, {'sink_tokens': 0})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from qcache.config import QuantCacheConfig
+
+__all__ = ["CACHE_OPTIONS", "chunk_bounds", "parse_cache_options", "to_bool", "to_int"]
+
+# QuantCacheConfig fields a user may set (`extra` is internal), plus the calibration file
+CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "extra") + ("calibration",)
+_INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if "int" in str(f.type)}
+_BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def to_int(name: str, value) -> int | None:
+    """An int option as lm-eval may hand it over: int, digit string, or None/"none"."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ValueError(f"{name}={value!r} must be an integer")
+
+
+def to_bool(name: str, value) -> bool | None:
+    """A bool option as lm-eval may hand it over: bool, 0/1, or true/false/yes/no in any case."""
+    if value is None or isinstance(value, bool):
+        return value
+    key = str(value).strip().lower()
+    if key in ("", "none"):
+        return None
+    if key not in _BOOLS:
+        raise ValueError(f"{name}={value!r} must be a boolean (true/false)")
+    return _BOOLS[key]
+
+
+def parse_cache_options(options: dict) -> tuple[int | None, dict]:
+    """Split `--model_args` cache options into (bits, other options), with ints and bools parsed.
+
+    Example:
+        >>> parse_cache_options({"bits": "4", "recent_tokens": "0", "rope": "post", "static_keys": "false"})
+        (4, {'recent_tokens': 0, 'rope': 'post', 'static_keys': False})
+    """
+    unknown = sorted(set(options) - set(CACHE_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown cache options {unknown}; allowed: {sorted(CACHE_OPTIONS)}")
+    parsed = {}
+    for name, value in options.items():
+        if name in _INT_OPTIONS:
+            value = to_int(name, value)
+        elif name in _BOOL_OPTIONS:
+            value = to_bool(name, value)
+        if value is not None:
+            parsed[name] = str(value) if name == "calibration" else value
+    return parsed.pop("bits", None), parsed
+
+
+def chunk_bounds(length: int, chunk: int, align: int = 8) -> list[tuple[int, int]]:
+    """[start, end) of the pieces fed through the cache: `chunk` tokens each; a last partial piece is cut at a
+    multiple of `align` (the rest, under `align` tokens, goes last on its own).
+
+    Why: Transformers' HQQ cache re-quantizes the whole cache whenever a piece fills its residual, and hqq's
+    2-/4-bit packing fails unless kv_heads * tokens * head_dim / 64 is a multiple of 4 / 2; with every re-quantized
+    length a multiple of 8 it holds. The other caches read the same tokens either way.
+
+    Example:
+        >>> chunk_bounds(600, 256)
+        [(0, 256), (256, 512), (512, 600)]
+        >>> chunk_bounds(525, 256)
+        [(0, 256), (256, 512), (512, 520), (520, 525)]
+    """
+    bounds = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+    start, end = bounds[-1] if bounds else (0, 0)
+    cut = start + (end - start) // align * align
+    if start < cut < end:
+        bounds[-1:] = [(start, cut), (cut, end)]
+    return bounds
