@@ -40,7 +40,7 @@ from .config import CLIP_RATIOS, QuantCacheConfig
 from .kernels import Quantized
 from .levels import levels_tensor
 from .rotation import SharedRotation
-from .rope import RopeHelper, modeling_module_of, rotate_half_width, compose
+from .rope import RopeHelper, modeling_module_of
 from .store import PackedStore, Part
 
 __all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]

@@ -27,7 +27,6 @@ from .config import ROTATIONS
 __all__ = ["ROTATIONS", "hadamard_rotation", "check_rotation_dim", "SharedRotation"]
 
 
-
 def check_rotation_dim(head_dim: int) -> None:
     """Raise unless `head_dim` is a power of two (what a Sylvester Hadamard matrix needs)."""
     if head_dim < 1 or head_dim & (head_dim - 1):

@@ -22,7 +22,6 @@ import lm_eval  # noqa: E402
 from eval.__main__ import rewrite_argv  # noqa: E402
 from eval.adapter import QCacheLM  # noqa: E402
 from eval.harness import TASKS_DIR, offline_environment, task_manager  # noqa: E402
-from qcache import QuantCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = 256
