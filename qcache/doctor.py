@@ -490,6 +490,13 @@ def _needle_cells(r: dict) -> list[str]:
             keeps]
 
 
+def _git_note(report: dict) -> str:
+    git = report.get("git")
+    if not git:
+        return "not run from a git checkout"
+    return f"git {git['commit'][:10]} ({'uncommitted changes' if git['dirty'] else 'clean tree'})"
+
+
 def markdown(report: dict) -> str:
     """The report as markdown: memory, attention, quality per width, the choice."""
     s, a, c = report["settings"], report["attention"], report["choice"]
@@ -498,7 +505,8 @@ def markdown(report: dict) -> str:
     lines = [f"# qcache doctor: {report['model']} at {N} tokens", "", f"Command: `{report['command']}`", "",
              f"{report['started']}; {report['timings']['total']:.0f} s in all (" + ", ".join(
                  f"{k} {v:.0f} s" for k, v in report["timings"].items() if k != "total") + f") on {report['machine']}; "
-             + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; weights {s['dtype']}.", "",
+             + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; weights {s['dtype']}; {_git_note(report)}.",
+             "",
              f"Model: {report['geometry']['describe']}. Every quality number is measured in this run against the "
              "default cache (DynamicCache) on the same tokens; QuantCache at default options otherwise.", "",
              "## Memory", "",
