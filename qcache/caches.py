@@ -70,9 +70,23 @@ def cache_factory(kind: str, model_config, bits: int | None = None, **options) -
 
 
 def cache_label(kind: str, bits: int | None = None, **options) -> str:
-    """A short row label such as 'quant-4bit' or 'hf-quanto-2bit'."""
+    """A short row label such as 'quant-4bit', 'quant-k4v2' (keys and values at their own widths) or
+    'hf-quanto-2bit'.
+
+    Example:
+        >>> cache_label("quant", k_bits=4, v_bits="2", rotation="hadamard")
+        'quant-k4v2(rotation=hadamard)'
+    """
     if kind == "default":
         return "default"
-    label = f"{kind}-{bits if bits is not None else 8 if kind == 'hf-fp8' else ''}bit"
+    if kind == "quant" and bits is None:
+        from .config import QuantCacheConfig
+
+        options = dict(options)
+        k_bits = int(options.pop("k_bits", None) or QuantCacheConfig.k_bits)
+        v_bits = int(options.pop("v_bits", None) or QuantCacheConfig.v_bits)
+        label = f"quant-{k_bits}bit" if k_bits == v_bits else f"quant-k{k_bits}v{v_bits}"
+    else:
+        label = f"{kind}-{bits if bits is not None else 8 if kind == 'hf-fp8' else ''}bit"
     extra = ",".join(f"{k}={v}" for k, v in sorted(options.items()) if v is not None)
     return f"{label}({extra})" if extra else label

@@ -41,7 +41,7 @@ from eval.needles import (  # noqa: E402
     score_suffix,
     wilson_interval,
 )
-from qcache.caches import build_cache  # noqa: E402
+from qcache.caches import build_cache, cache_label  # noqa: E402
 from qcache.footprint import reachable_bytes  # noqa: E402
 
 VOCAB, CONTEXT, CHUNK = 96, 192, 32
@@ -465,3 +465,17 @@ def test_needle_fills_end_with_a_piece_that_flushes_transformers_caches(chunk, a
     for fill in range(align, 20 * align, align):  # the last piece reaches the 128-token residual: it re-quantizes
         start, end = chunk_bounds(fill, chunk)[-1]
         assert end - start >= min(chunk, 128)
+
+
+@pytest.mark.parametrize("kind, bits, options, label", [
+    ("quant", 3, {}, "quant-3bit"),
+    ("quant", None, {}, "quant-4bit"),  # QuantCache's default widths
+    ("quant", None, {"k_bits": "4", "v_bits": "2", "rotation": "hadamard"}, "quant-k4v2(rotation=hadamard)"),
+    ("quant", None, {"k_bits": "3", "v_bits": "3"}, "quant-3bit"),
+    ("quant", None, {"v_bits": 2}, "quant-k4v2"),
+    ("hf-fp8", None, {}, "hf-fp8-8bit"),
+    ("default", None, {}, "default"),
+])
+def test_cache_labels_name_the_widths(kind, bits, options, label):
+    """Rows of a K/V split are labelled by both widths (they read 'quant-bit(...)' before)."""
+    assert cache_label(kind, bits, **options) == label
