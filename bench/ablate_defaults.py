@@ -1,4 +1,4 @@
-"""Which QuantCache defaults? Chunked perplexity (DESIGN §5) of option variants vs the default cache, same run.
+"""Which QuantCache defaults? Chunked perplexity (the input fed through the cache 256 tokens at a time) of option variants vs the default cache, same run.
 
     python bench/ablate_defaults.py --bits 4 --variants k_group_size=32 v_group_size=32 recent_tokens=128
     python bench/ablate_defaults.py --bits 2 --variants "k_group_size=32,v_group_size=32" --out docs/results/defaults-2bit

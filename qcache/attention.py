@@ -1,4 +1,4 @@
-"""Attention that accumulates in fp32 whatever the model dtype (DESIGN.md section 2).
+"""Attention that accumulates in fp32 whatever the model dtype.
 
 Attention over n keys is a weighted sum of n values. Summed in bf16 (8 significant bits), a running sum of n equal
 weights 1/n stops growing after 256 terms: at n = 131072 it keeps 256/n = 0.2 % of the mass (fp16, 11 bits: 2048
