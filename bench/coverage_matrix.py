@@ -368,6 +368,41 @@ def check_family(family: Family, control: bool = False) -> Outcome:
     return outcome
 
 
+# why a family was refused, by a phrase of its ValueError (first match wins) -> the summary's wording
+REFUSAL_REASONS = (
+    ("has no RoPE parameters", "no RoPE (learned positions, ALiBi or none)"),
+    ("rotates keys with a layout", "a RoPE layout other than rotate-half (`rope='post'` allowed)"),
+    ("needs the position_ids", "attention passes no position_ids to the cache (`rope='post'` allowed)"),
+    ("convolution/recurrent state", "a recurrent or convolution state (Mamba, linear attention)"),
+    ("head_dim per layer", "head_dim set per layer"),
+    ("keys with head_dim", "keys and values of different head_dim"),
+    ("has no apply_rotary_pos_emb", "no apply_rotary_pos_emb(q, k, cos, sin) in its modeling code to check the RoPE "
+     "layout against"),
+)
+
+
+def refusal_reason(error: str) -> str:
+    """The summary's wording for a refusal (the error's own text when no phrase of REFUSAL_REASONS is in it)."""
+    for phrase, reason in REFUSAL_REASONS:
+        if phrase in error:
+            return reason
+    return error.removeprefix("ValueError: ").split(";")[0]
+
+
+def summary_markdown(outcomes: list[Outcome]) -> str:
+    """One row per outcome (refusals per reason) listing the families: the table the README shows."""
+    groups: dict[str, list[str]] = {}
+    for o in outcomes:
+        label = ("matches DynamicCache at 8 bits" if o.kind == "match" else
+                 f"refused: {refusal_reason(o.error or o.detail)}" if o.kind == "refused" else
+                 f"FAILED: {o.detail}")
+        groups.setdefault(label, []).append(o.family)
+    lines = ["| outcome | families |", "|---|---|"]
+    for label, families in sorted(groups.items(), key=lambda kv: (not kv[0].startswith("matches"), -len(kv[1]))):
+        lines.append(f"| {label} ({len(families)}) | {'; '.join(families)} |")
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(outcomes: list[Outcome], header: dict) -> str:
     notes = {f.key: f.note for f in FAMILIES}
     lines = [
@@ -392,6 +427,7 @@ def render_markdown(outcomes: list[Outcome], header: dict) -> str:
         "its quantized region), as a fraction of the same std: how far outside the tolerance such a loss lands "
         "(n/a: the model's attention mask has a column per stored token, so keys cannot be dropped; see the JSON).",
         "",
+        summary_markdown(outcomes),
         "| family | model_type | notes | outcome | control |",
         "|---|---|---|---|---|",
     ]
@@ -428,7 +464,15 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"families to run (default: all); one of {', '.join(keys)}")
     parser.add_argument("--out", type=Path, default=Path("docs/results/coverage"),
                         help="output path without suffix: writes <out>.md and <out>.json")
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="rewrite <out>.md from a JSON this script wrote (no run) and print the summary table")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        outcomes = [Outcome(**o) for o in data.pop("outcomes")]
+        args.out.with_suffix(".md").write_text(render_markdown(outcomes, data))
+        print(summary_markdown(outcomes))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # tiny models: one thread is several times faster than two busy ones

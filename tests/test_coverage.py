@@ -75,3 +75,26 @@ def test_table_renders_every_outcome():
     assert "| Llama | `llama` |  | matches DynamicCache at 8 bits (x \\| y) | 94% |" in text
     assert "| GPT-2 | `gpt2` | learned positions | refused: ValueError: no RoPE |  |" in text
     assert "1 match, 1 refused, 0 failed." in text
+
+
+def test_summary_groups_families_by_outcome_and_reason():
+    outcomes = [cm.Outcome("llama", "Llama", "llama", "match", "matches"),
+                cm.Outcome("qwen2", "Qwen2", "qwen2", "match", "matches"),
+                cm.Outcome("gpt2", "GPT-2", "gpt2", "refused", "refused",
+                           error="ValueError: model_type='gpt2' has no RoPE parameters (config.rope_parameters is None)"),
+                cm.Outcome("x", "X", "x", "refused", "refused", error="ValueError: something new; allowed: y"),
+                cm.Outcome("y", "Y", "y", "failed", "failed: RuntimeError: boom")]
+    lines = cm.summary_markdown(outcomes).splitlines()
+    assert lines[2] == "| matches DynamicCache at 8 bits (2) | Llama; Qwen2 |"  # matches first
+    assert "| refused: no RoPE (learned positions, ALiBi or none) (1) | GPT-2 |" in lines
+    assert "| refused: something new (1) | X |" in lines  # an unknown reason keeps the error's own words
+    assert "| FAILED: failed: RuntimeError: boom (1) | Y |" in lines
+
+
+def test_render_rewrites_markdown_from_json(tmp_path):
+    data = {"command": "python bench/coverage_matrix.py", "date": "today", "qcache": "0.1.0",
+            "transformers": "5.24.0", "torch": "2.13.0",
+            "outcomes": [cm.Outcome("llama", "Llama", "llama", "match", "matches DynamicCache at 8 bits").to_dict()]}
+    (tmp_path / "c.json").write_text(__import__("json").dumps(data))
+    assert cm.main(["--render", str(tmp_path / "c.json"), "--out", str(tmp_path / "c")]) == 0
+    assert "| matches DynamicCache at 8 bits (1) | Llama |" in (tmp_path / "c.md").read_text()
