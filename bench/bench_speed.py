@@ -289,7 +289,10 @@ def measure_decode(model, ids, rows: list[Row], contexts: list[int], rounds: int
     from transformers import DynamicCache
 
     results, profiles = [], []
-    ref = DynamicCache(config=model.config)
+    # no config: every layer keeps every token (a sliding-window layer of DynamicCache(config=...) keeps only its
+    # window, which could not be replayed into a fresh cache at the right positions); the model's masks apply the
+    # window either way, and each row's own cache (DynamicCache(config=...) for `default`) keeps what it keeps
+    ref = DynamicCache()
     model.set_attn_implementation("sdpa")
     filled = 0
     for L in sorted(contexts):
