@@ -339,11 +339,11 @@ def measure_decode(model, ids, rows: list[Row], contexts: list[int], rounds: int
 def _flush_state(cache) -> tuple[int, int]:
     """(tokens per flush period, tokens to add before the next single token triggers a flush) of the first layer
     that quantizes (sliding-window layers kept native never flush)."""
-    layer = cache.layers[0]
-    if isinstance(cache, QuantCache):
-        layer = next(layer for layer in cache.layers if isinstance(layer, QuantLayer))  # one block of G tokens leaves the residual once it exceeds recent + G - 1
+    if isinstance(cache, QuantCache):  # one block of G tokens leaves the residual once it exceeds recent + G - 1
+        layer = next(layer for layer in cache.layers if isinstance(layer, QuantLayer))
         G, recent = layer.cfg.k_group_size, layer.cfg.recent_tokens
         return G, max(recent + G - 1 - layer.store.length("residual"), 0)
+    layer = cache.layers[0]
     residual = layer.keys.shape[-2] if layer.keys is not None and layer.keys.dim() == 4 else 0
     return layer.residual_length, max(layer.residual_length - 1 - residual, 0)  # HF: all re-quantized at P
 

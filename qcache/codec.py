@@ -16,12 +16,13 @@ beside it as `consts`, so that compiled code specializes on the description, not
     ValueCodec one token over `group` consecutive channels  scale, zero; `outliers` (offset, value) pairs
     ========== ============================================ ==============================================
 
-Levels are uniform (`zero + code * scale`) or, with `codebook=True`, the levels of `consts["codebook"]` (calibrated,
-or data-free Lloyd-Max levels: qcache/levels.py) (qcache/quant.py). With `rotation=True` every token is multiplied
-by the orthogonal `consts["rotation"]` [D, D] (qcache/rotation.py) before it is encoded, and `planes` multiplies the
-decoded tokens by its transpose (`rotated=True` leaves them rotated, for a caller that un-rotates once later, as
-the fused decode does with the attention-weighted sum of values); groups and outliers live in rotated space. Codes are packed in planes (qcache/quant.py): `planes` returns the channel slices of the packing
-([B, H, n, w] each, in channel order) so that RoPE pairs can be rotated without interleaving.
+Levels are uniform (`zero + code * scale`) or, with `codebook=True`, the levels of `consts["codebook"]`: calibrated,
+or data-free Lloyd-Max levels (qcache/levels.py). With `rotation=True` every token is multiplied by the orthogonal
+`consts["rotation"]` [D, D] (qcache/rotation.py) before it is encoded, and `planes` multiplies the decoded tokens by
+its transpose (`rotated=True` leaves them rotated, for a caller that un-rotates once later, as the fused decode does
+with the attention-weighted sum of values); groups and outliers live in rotated space. Codes are packed in planes
+(qcache/quant.py): `planes` returns the channel slices of the packing ([B, H, n, w] each, in channel order) so that
+RoPE pairs can be rotated without interleaving.
 
 Example:
     >>> codec = ValueCodec(bits=4, group=32, scale_dtype=torch.float16)

@@ -39,7 +39,8 @@ class Quantized(NamedTuple):
     """The quantized region of a layer, as the kernels read it.
 
     k / v: {part name: view [B, H, n or blocks, ...]} from the store; k_consts / v_consts: the codecs' per-layer
-    tensors (codebook, static ranges, rotation); rope: `RopeHelper.factors` of the region's positions, or None (no RoPE)."""
+    tensors (codebook, static ranges, rotation); rope: `RopeHelper.factors` of the region's positions, or None (no
+    RoPE)."""
 
     k: dict
     v: dict
