@@ -38,7 +38,7 @@ from .calibfile import CalibrationData, load_calibration
 from .codec import KeyCodec, ValueCodec
 from .config import CLIP_RATIOS, QuantCacheConfig
 from .kernels import Quantized
-from .levels import levels_tensor
+from .levels import gaussian_levels_tensor, levels_tensor
 from .rotation import SharedRotation
 from .rope import RopeHelper, modeling_module_of
 from .store import PackedStore, Part
@@ -175,10 +175,10 @@ class QuantLayer(CacheLayerMixin):
         self.k_codec = KeyCodec(bits=cfg.k_bits, group=1 if cfg.static_keys else cfg.k_group_size,
                                 scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
                                 codebook=k_consts["codebook"] is not None, static=cfg.static_keys,
-                                rotation=cfg.rotation != "none")
+                                rotation=cfg.rotation != "none" and "k" in cfg.rotate)
         self._v_codec_args = dict(bits=cfg.v_bits, scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
                                   codebook=v_consts["codebook"] is not None or cfg.levels == "lloyd-max",
-                                  rotation=cfg.rotation != "none")
+                                  rotation=cfg.rotation != "none" and "v" in cfg.rotate, norm=cfg.v_scale == "norm")
         self.v_codec: ValueCodec | None = None  # its group depends on head_dim: built at the first update
         self.layer_idx = layer_idx
         self.rope = rope
@@ -203,7 +203,9 @@ class QuantLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.v_codec = ValueCodec(group=self.cfg.value_group_size(D), **self._v_codec_args)
-        if self.cfg.levels == "lloyd-max":
+        if self.cfg.v_scale == "norm":
+            self.consts["v"]["codebook"] = gaussian_levels_tensor(self.cfg.v_bits)
+        elif self.cfg.levels == "lloyd-max":
             self.consts["v"]["codebook"] = levels_tensor(self.cfg.v_bits, self.v_codec.group, self.cfg.outliers)
         if self.cfg.rotation != "none":
             if self._rotation is None:
@@ -211,7 +213,8 @@ class QuantLayer(CacheLayerMixin):
             elif self._rotation.head_dim != D:
                 raise ValueError(f"layer {self.layer_idx}: rotation built for head_dim {self._rotation.head_dim}, "
                                  f"states have head_dim {D}")
-            self.consts["k"]["rotation"] = self.consts["v"]["rotation"] = self._rotation.on(self.device)
+            for stream in self.cfg.rotate:  # "k" and/or "v"
+                self.consts[stream]["rotation"] = self._rotation.on(self.device)
         self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
         full = [Part(name, axis, (D,), self.dtype, "full_precision")
                 for name, axis in (("sink_k", "sink"), ("sink_v", "sink"), ("res_k", "residual"),
@@ -219,7 +222,9 @@ class QuantLayer(CacheLayerMixin):
         G = self.k_codec.group
         self.store = PackedStore(self.k_codec.parts(D, self.dtype) + self.v_codec.parts(D, self.dtype) + full, B, H,
                                  self.device, min_grow={"token": max(G, 16), "block": 1,
-                                                        "sink": max(self.sink_tokens, 1), "residual": G})
+                                                        "sink": max(self.sink_tokens, 1), "residual": G},
+                                 # between two flushes the residual holds at most the recent window + one block
+                                 bounded={"sink": self.sink_tokens, "residual": self.cfg.recent_tokens + G})
         for consts in self.consts.values():
             for name, t in consts.items():
                 if t is not None and t.device != self.device:

@@ -16,9 +16,11 @@ KERNELS = ("auto", "eager", "compiled")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 ROTATIONS = ("none", "hadamard")  # qcache/rotation.py
 LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
+ROTATE = ("kv", "k", "v")  # which of keys and values a rotation applies to
+V_SCALES = ("minmax", "norm")  # qcache/codec.py ValueCodec
 
 __all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS",
-           "LEVELS"]
+           "LEVELS", "ROTATE", "V_SCALES"]
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -74,10 +76,17 @@ class QuantCacheConfig:
             Full-precision tokens are not rotated. Not combinable with static_keys or calibrated codebooks (both
             calibrated in unrotated space).
         rotation_seed: seed of the rotation's ±1 signs (one matrix for every layer of a cache).
+        rotate: what the rotation applies to: "kv" (default) keys and values, "k" keys only, "v" values only.
         levels: "uniform" (default) or "lloyd-max": data-free non-uniform levels, the Lloyd-Max levels of
             min-max normalized Gaussian groups of the codec's group size (qcache/levels.py); best with
             rotation="hadamard". Not combinable with a calibration file's codebooks (pass codebooks=False) or
             static_keys.
+        v_scale: how a value token is scaled. "minmax" (default): a scale and a zero-point per group of
+            `v_group_size` channels, levels spanning the group's [min, max]. "norm": one number per token and head
+            (its least-squares scale, in `scale_dtype`) and the Lloyd-Max levels of a standard Gaussian, which the
+            coordinates of a Hadamard-rotated token divided by its RMS approximately follow (qcache/levels.py): half
+            the metadata of one "minmax" group, a quarter of four. Needs rotation="hadamard" on values (rotate "kv"
+            or "v") and levels="lloyd-max"; not combinable with outliers, clip_search or v_group_size.
 
     Example:
         >>> QuantCacheConfig(bits=2).k_bits
@@ -102,6 +111,8 @@ class QuantCacheConfig:
     rotation: str = "none"
     rotation_seed: int = 0
     levels: str = "uniform"
+    rotate: str = "kv"
+    v_scale: str = "minmax"
 
     def __post_init__(self) -> None:
         if self.bits is not None:
@@ -139,6 +150,23 @@ class QuantCacheConfig:
         _check_choice("rotation", self.rotation, ROTATIONS)
         _check_nonneg_int("rotation_seed", self.rotation_seed)
         _check_choice("levels", self.levels, LEVELS)
+        _check_choice("rotate", self.rotate, ROTATE)
+        if self.rotate != "kv" and self.rotation == "none":
+            raise ValueError(f"rotate={self.rotate!r} needs a rotation; allowed with rotation='none': rotate='kv' (the "
+                             "default), or set rotation='hadamard'")
+        _check_choice("v_scale", self.v_scale, V_SCALES)
+        if self.v_scale == "norm":
+            if self.rotation == "none" or self.rotate == "k":
+                raise ValueError(f"v_scale='norm' needs rotated values (its levels assume them); got rotation="
+                                 f"{self.rotation!r}, rotate={self.rotate!r}; allowed: rotation='hadamard' with rotate "
+                                 "'kv' or 'v', or v_scale='minmax'")
+            if self.levels != "lloyd-max":
+                raise ValueError(f"v_scale='norm' uses Gaussian Lloyd-Max levels; got levels={self.levels!r}; allowed: "
+                                 "levels='lloyd-max', or v_scale='minmax'")
+            for name, off in (("outliers", 0), ("clip_search", False), ("v_group_size", None)):
+                if getattr(self, name) != off:
+                    raise ValueError(f"v_scale='norm' scales whole heads (no groups, outliers or range clipping); got "
+                                     f"{name}={getattr(self, name)!r}; allowed: {name}={off!r}, or v_scale='minmax'")
         if self.static_keys and self.rotation != "none":
             raise ValueError(f"rotation={self.rotation!r} is not supported with static_keys=True (static key ranges are "
                              "calibrated in unrotated space); allowed: rotation='none' or static_keys=False")
@@ -152,6 +180,8 @@ class QuantCacheConfig:
         divisors = [g for g in range(8, head_dim + 1, 8) if head_dim % g == 0]
         if head_dim % 8 or not divisors:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack codes")
+        if self.v_scale == "norm":
+            return head_dim
         if self.v_group_size is None:
             return max(g for g in divisors if g <= 64) if min(divisors) <= 64 else min(divisors)
         if head_dim % self.v_group_size:
@@ -198,7 +228,8 @@ class QuantCacheConfig:
         per_head = (
             q * head_dim * (self.k_bits + self.v_bits) / 8  # packed codes
             + (0 if self.static_keys else q // self.k_group_size) * head_dim * 2 * sb  # key scale+zero per block
-            + q * (head_dim // self.value_group_size(head_dim)) * 2 * sb  # value scale+zero per token per group
+            # value scale+zero per token per group ("norm": one scale per token)
+            + q * (head_dim // self.value_group_size(head_dim)) * (1 if self.v_scale == "norm" else 2) * sb
             # outliers: a value in the cache dtype + a 1-byte offset each, per key channel per block and per value
             # group per token
             + self.outliers * (q // self.k_group_size * head_dim + q * (head_dim // self.value_group_size(head_dim)))

@@ -40,7 +40,7 @@ import torch
 
 from .config import LEVELS
 
-__all__ = ["LEVELS", "lloyd_max_levels", "levels_tensor"]
+__all__ = ["LEVELS", "lloyd_max_levels", "levels_tensor", "gaussian_levels", "gaussian_levels_tensor"]
 
 _SAMPLES = 2**20
 _BINS = 2**14
@@ -114,3 +114,39 @@ def _heldout_mse(levels, group: int, outliers: int = 0, samples: int = 2**18, se
     lv = torch.as_tensor(levels, dtype=torch.float64)
     code = torch.bucketize(u, (lv[1:] + lv[:-1]) / 2)
     return float((((lv[code] - u) * rng) ** 2).mean())
+
+
+@functools.lru_cache(maxsize=None)
+def gaussian_levels(bits: int) -> tuple[float, ...]:
+    """The 2**bits Lloyd-Max levels of a standard Gaussian (in units of σ, sorted, symmetric about 0): what
+    `v_scale="norm"` quantizes a rotated value token divided by its RMS with. Computed without sampling: Lloyd
+    iterations with the exact centroid of each cell, (φ(a) - φ(b)) / (Φ(b) - Φ(a)), from the Gaussian's quantiles.
+    They match Max (1960): 2 bits ±0.4528, ±1.510; mean squared error 0.1175 / 0.03455 / 0.009501 σ² at 2 / 3 / 4
+    bits."""
+    L = 2**bits
+    levels = torch.special.ndtri((torch.arange(L, dtype=torch.float64) + 0.5) / L)
+    inf = torch.tensor([float("inf")], dtype=torch.float64)
+    for _ in range(20000):
+        edges = torch.cat([-inf, (levels[1:] + levels[:-1]) / 2, inf])
+        pdf = torch.exp(-edges**2 / 2) / (2 * torch.pi) ** 0.5  # 0 at ±inf
+        new = (pdf[:-1] - pdf[1:]) / (torch.special.ndtr(edges[1:]) - torch.special.ndtr(edges[:-1]))
+        done = float((new - levels).abs().max()) < 1e-13
+        levels = new
+        if done:
+            break
+    levels = (levels - levels.flip(0)) / 2  # exactly symmetric
+    return tuple(float(v) for v in levels)
+
+
+def gaussian_levels_tensor(bits: int) -> torch.Tensor:
+    """`gaussian_levels` as a fresh float32 tensor."""
+    return torch.tensor(gaussian_levels(bits), dtype=torch.float32)
+
+
+def _gaussian_mse(levels) -> float:
+    """Mean squared error (σ²) of a standard Gaussian quantized to the nearest of `levels` (numerical integral)."""
+    grid = torch.linspace(-10, 10, 2**20 + 1, dtype=torch.float64)
+    weight = torch.exp(-grid**2 / 2)
+    lv = torch.as_tensor(levels, dtype=torch.float64)
+    q = lv[torch.bucketize(grid, (lv[1:] + lv[:-1]) / 2)]
+    return float(((grid - q) ** 2 * weight).sum() / weight.sum())

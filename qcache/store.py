@@ -18,9 +18,10 @@ the buffer is reallocated with room to spare (1/16 of what it holds, at least `m
 entries costs O(n) amortized however much is stored, never a copy of the whole store per append (the way
 `torch.cat` grows a cache). `drop_front` (sliding eviction, the residual draining into the quantized region) only
 moves `start`; the used entries are moved back to the front of the buffer when more than half of it lies unused
-before them, a growing buffer more than three quarters empty is shrunk, and a bounded one (the residual) keeps at
-most two growth steps spare, so the capacity held stays close to what is used (`nbytes` reports the difference as
-`reserved`). Batch operations (beam search's
+before them, a growing buffer more than three quarters empty is shrunk, and a bounded one (sinks, the residual)
+goes back to its steady capacity (`bounded`: the most it holds between two flushes, e.g. the recent window plus one
+key block) after a long chunk passed through it, so the capacity held stays close to what is used (`nbytes`
+reports the difference as `reserved`). A growing axis grows by 1/64 of what it holds. Batch operations (beam search's
 reorder, repeat-interleave, select) apply to every part at once.
 
 Example:
@@ -79,12 +80,13 @@ class PackedStore:
         heads: kv heads (H).
         device: where the buffers live.
         min_grow: smallest number of entries added when a buffer grows, per axis (default 16).
-        bounded: axes whose length stays bounded (sinks, the residual): after a drop or crop their buffers keep at
-            most two `min_grow` steps of spare capacity, so a long prefill chunk leaves no large buffer behind.
+        bounded: {axis: steady capacity} of the axes whose length stays bounded (sinks, the residual): after a drop or
+            crop a buffer larger than max(steady capacity, entries used) shrinks to that, so a long prefill chunk
+            leaves no large buffer behind, and appends up to the steady capacity never reallocate.
     """
 
     def __init__(self, parts: Iterable[Part], batch: int, heads: int, device: torch.device | str = "cpu",
-                 min_grow: dict[str, int] | None = None, bounded: Iterable[str] = ("sink", "residual")):
+                 min_grow: dict[str, int] | None = None, bounded: dict[str, int] | None = None):
         self.parts: dict[str, Part] = {}
         for part in parts:
             if part.name in self.parts:
@@ -92,7 +94,10 @@ class PackedStore:
             self.parts[part.name] = part
         self.batch, self.heads, self.device = batch, heads, torch.device(device)
         self.min_grow = {axis: 16 for axis in AXES} | dict(min_grow or {})
-        self.bounded = frozenset(bounded)
+        self.bounded = {"sink": 0, "residual": 0} if bounded is None else dict(bounded)
+        unknown = sorted(set(self.bounded) - set(AXES))
+        if unknown:
+            raise ValueError(f"bounded axes {unknown} are not axes; allowed: {list(AXES)}")
         self._start = {axis: 0 for axis in AXES}
         self._length = {axis: 0 for axis in AXES}
         self._capacity = {axis: 0 for axis in AXES}
@@ -147,7 +152,7 @@ class PackedStore:
                 self._reallocate(axis, cap)  # room at the front: compact instead of growing
             else:
                 need = used + n
-                self._reallocate(axis, need + max(need // 16, self.min_grow[axis]))
+                self._reallocate(axis, need + max(need // 64, self.min_grow[axis]))
         at = self._start[axis] + self._length[axis]
         for name, t in tensors.items():
             buf = self._buf[name]
@@ -159,11 +164,16 @@ class PackedStore:
 
     def _maybe_shrink(self, axis: str) -> None:
         used, cap, grow = self._length[axis], self._capacity[axis], self.min_grow[axis]
-        # a bounded axis (the residual: it drains back to a few blocks) keeps at most two growth steps spare; a
-        # growing one shrinks only when three quarters of it are unused (no reallocation back and forth)
-        loose = cap - used > 2 * grow if axis in self.bounded else cap > 4 * max(used, grow)
-        if loose:
-            self._reallocate(axis, used + max(used // 16, grow))
+        # a bounded axis (the residual: it drains back to a few blocks) goes back to its steady capacity; a growing
+        # one shrinks only when three quarters of it are unused (no reallocation back and forth)
+        if axis in self.bounded:
+            if cap > max(self.bounded[axis], used):
+                self._reallocate(axis, max(self.bounded[axis], used))
+            elif self._start[axis] > cap // 2:
+                self._reallocate(axis, cap)
+            return
+        if cap > 4 * max(used, grow):
+            self._reallocate(axis, used + max(used // 64, grow))
         elif self._start[axis] > cap // 2:
             self._reallocate(axis, cap)
 

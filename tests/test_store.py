@@ -7,12 +7,12 @@ import torch
 from qcache.store import PackedStore, Part
 
 
-def make(batch=2, heads=3, min_grow=None):
+def make(batch=2, heads=3, min_grow=None, bounded=None):
     parts = [Part("codes", "token", (8,), torch.uint8, "packed"),
              Part("scale", "token", (2,), torch.float16, "scales"),
              Part("block_scale", "block", (4,), torch.float32, "scales"),
              Part("res", "residual", (4,), torch.bfloat16, "full_precision")]
-    return PackedStore(parts, batch, heads, min_grow=min_grow)
+    return PackedStore(parts, batch, heads, min_grow=min_grow, bounded=bounded)
 
 
 def tokens(store, n, start=0):
@@ -26,16 +26,16 @@ def test_append_writes_in_place_and_grows_rarely():
     store = make(min_grow={"token": 4})
     reallocations = 0
     buffer = None
-    for i in range(100):
+    for i in range(1000):
         store.append("token", **tokens(store, 3, 3 * i))
         if store._buf["codes"] is not buffer:
             reallocations += 1
             buffer = store._buf["codes"]
-    assert store.length("token") == 300
-    assert torch.equal(store.view("scale")[0, 0, :, 0], torch.arange(300).to(torch.float16))
-    assert reallocations < 40  # geometric growth (1/16 more each time), not a reallocation per append
-    # capacity stays close to what is used: at most 1/16 + min_grow more
-    assert store._capacity["token"] <= 300 + 300 // 16 + 4
+    assert store.length("token") == 3000
+    assert torch.equal(store.view("scale")[0, 0, :, 0], torch.arange(3000).to(torch.float16))
+    assert reallocations < 200  # geometric growth (1/64 more each time), not a reallocation per append
+    # capacity stays close to what is used: at most 1/64 + min_grow more
+    assert store._capacity["token"] <= 3000 + 3000 // 64 + 4
 
 
 def test_parts_of_an_axis_append_together():
@@ -96,11 +96,21 @@ def test_nbytes_counts_every_byte_by_category():
     assert sum(got.values()) == held and got["reserved"] == held - used_packed - used_scales
 
 
-def test_a_bounded_axis_keeps_little_spare_after_a_chunk():
-    """A prefill chunk of 256 tokens drains to a recent window of ~190: the residual's buffer keeps at most two growth
-    steps spare, not the chunk's peak (which would count as held bytes at every context)."""
-    store = make(min_grow={"residual": 64})
+def test_a_bounded_axis_goes_back_to_its_steady_capacity_after_a_chunk():
+    """A prefill chunk of 256 tokens drains to a recent window of 190: the residual's buffer goes back to its steady
+    capacity (here 192), not the chunk's peak (which would count as held bytes at every context), and appends up to
+    that capacity do not reallocate."""
+    store = make(min_grow={"residual": 64}, bounded={"residual": 192})
     store.append("residual", res=torch.ones(2, 3, 256 + 190, 4, dtype=torch.bfloat16))
+    assert store._capacity["residual"] > 256 + 190
     store.drop_front("residual", 256)
     assert store.length("residual") == 190
-    assert store._capacity["residual"] - 190 <= 2 * 64
+    assert store._capacity["residual"] == 192
+    buf = store._buf["res"]
+    store.append("residual", res=torch.ones(2, 3, 2, 4, dtype=torch.bfloat16))
+    assert store._buf["res"] is buf
+
+
+def test_bounded_axes_must_be_axes():
+    with pytest.raises(ValueError, match="bounded axes \\['tokens'\\]"):
+        make(bounded={"tokens": 4})

@@ -1,0 +1,172 @@
+"""v_scale="norm" (one least-squares scale per rotated value token, Gaussian Lloyd-Max levels) and rotate="k"/"v"
+(a rotation on one stream only): the levels, the codec, the options, and a cache that reads back what it was given
+(eager, compiled, fused decode) and counts what it holds."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import make_model
+from qcache import QuantCache, QuantCacheConfig
+from qcache.attention import fp32_sdpa_attention_forward
+from qcache.codec import ValueCodec
+from qcache.footprint import reachable_bytes
+from qcache.levels import _gaussian_mse, gaussian_levels, gaussian_levels_tensor
+from qcache.rotation import hadamard_rotation
+from test_cache import assert_greedy_agrees, generate, logits, prompt
+
+OPTS = dict(k_group_size=16, recent_tokens=4, sink_tokens=2)
+NORM = dict(rotation="hadamard", levels="lloyd-max", v_scale="norm")
+
+
+# --- the levels --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits,positive,mse", [
+    (2, [0.4528, 1.510], 0.1175),  # Max (1960), table of the Gaussian quantizer
+    (3, [0.2451, 0.7560, 1.344, 2.152], 0.03454),
+    (4, [0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733], 0.009497),  # (MSE 0.009501 exactly)
+])
+def test_gaussian_levels_are_max_1960s(bits, positive, mse):
+    levels = gaussian_levels(bits)
+    assert len(levels) == 2**bits and list(levels) == sorted(levels)
+    assert levels == tuple(-v for v in reversed(levels))  # symmetric
+    assert [round(v, 3) for v in levels[2 ** (bits - 1):]] == pytest.approx([round(v, 3) for v in positive], abs=2e-3)
+    assert _gaussian_mse(levels) == pytest.approx(mse, rel=2e-3)
+    # and they beat uniform levels over the same span
+    uniform = torch.linspace(levels[0], levels[-1], 2**bits)
+    assert _gaussian_mse(levels) < _gaussian_mse(uniform)
+
+
+# --- the codec ---------------------------------------------------------------------------------------------------
+
+def _codec(bits, D=64):
+    return ValueCodec(bits=bits, group=D, scale_dtype=torch.float16, codebook=True, rotation=True, norm=True)
+
+
+@pytest.mark.parametrize("bits,bound", [(2, 0.125), (3, 0.038), (4, 0.0105)])
+def test_norm_codec_error_is_the_gaussian_quantizers(bits, bound):
+    """Tokens with a large mean and an outlier channel, rotated: the squared error per value, over each token's mean
+    square, is at most about Lloyd-Max's for a Gaussian (0.1175 / 0.0345 / 0.0095 σ²), and the least-squares scale
+    is no worse than the token's RMS would be with the same codes."""
+    D = 64
+    torch.manual_seed(0)
+    v = torch.randn(2, 3, 200, D) + 0.5
+    v[..., 5] *= 15
+    consts = {"rotation": hadamard_rotation(D, seed=1), "codebook": gaussian_levels_tensor(bits)}
+    codec = _codec(bits, D)
+    parts = codec.encode(v, consts)
+    assert set(parts) == {"v_codes", "v_scale"} and parts["v_scale"].shape == (2, 3, 200, 1)
+    out = torch.cat(codec.planes(parts, consts), dim=-1)
+    rel = ((out - v).pow(2).mean(-1) / v.pow(2).mean(-1)).mean()
+    assert rel < bound, float(rel)
+    # the same codes at the RMS scale are no better
+    rot = v @ consts["rotation"]
+    rms = rot.pow(2).mean(-1, keepdim=True).sqrt()
+    at_rms = (torch.cat(codec.planes(parts, consts, rotated=True), dim=-1) / parts["v_scale"].float() * rms)
+    assert float((out @ consts["rotation"] - rot).pow(2).mean()) <= float((at_rms - rot).pow(2).mean()) + 1e-7
+
+
+def test_norm_codec_zero_token_and_bits_per_value():
+    consts = {"rotation": hadamard_rotation(64, seed=0), "codebook": gaussian_levels_tensor(3)}
+    codec = _codec(3)
+    parts = codec.encode(torch.zeros(1, 1, 2, 64), consts)
+    assert torch.equal(torch.cat(codec.planes(parts, consts), dim=-1), torch.zeros(1, 1, 2, 64))
+    assert codec.bits_per_value(64) == 3 + 16 / 64
+    assert [p.name for p in codec.parts(64, torch.bfloat16)] == ["v_codes", "v_scale"]
+    with pytest.raises(ValueError, match="group must equal head_dim=64, got 32"):
+        ValueCodec(bits=3, group=32, scale_dtype=torch.float16, codebook=True, rotation=True, norm=True).parts(
+            64, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"norm=True\) needs codebook=True and rotation=True"):
+        ValueCodec(bits=3, group=64, scale_dtype=torch.float16, codebook=True, rotation=False, norm=True)
+
+
+# --- options -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(v_scale="absmax"), r"v_scale='absmax' is not supported; allowed values: \['minmax', 'norm'\]"),
+    (dict(v_scale="norm", levels="lloyd-max"), r"v_scale='norm' needs rotated values .*rotation='none'"),
+    (dict(v_scale="norm", rotation="hadamard", levels="lloyd-max", rotate="k"), r"rotate='k'; allowed"),
+    (dict(v_scale="norm", rotation="hadamard"), r"levels='uniform'; allowed: levels='lloyd-max'"),
+    (dict(NORM, outliers=1), r"got outliers=1; allowed: outliers=0"),
+    (dict(NORM, clip_search=True), r"got clip_search=True; allowed: clip_search=False"),
+    (dict(NORM, v_group_size=32), r"got v_group_size=32; allowed: v_group_size=None"),
+    (dict(rotate="q", rotation="hadamard"), r"rotate='q' is not supported; allowed values: \['kv', 'k', 'v'\]"),
+    (dict(rotate="v"), r"rotate='v' needs a rotation"),
+])
+def test_bad_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantCacheConfig(**kwargs)
+
+
+def test_options_round_trip_and_sizes():
+    cfg = QuantCacheConfig(k_bits=3, v_bits=3, rotate="v", **NORM)
+    assert QuantCacheConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.value_group_size(64) == 64
+    minmax = QuantCacheConfig(k_bits=3, v_bits=3, rotation="hadamard", levels="lloyd-max")
+    # one fp16 scale per token and head instead of a scale and a zero per 64 channels
+    diff = minmax.bytes_per_token(30, 3, 64, 8192) - cfg.bytes_per_token(30, 3, 64, 8192)
+    assert diff == pytest.approx(30 * 3 * 2 * (8192 - cfg.full_precision_tokens(8192)) / 8192)
+
+
+# --- a cache -------------------------------------------------------------------------------------------------------
+
+def test_8bit_norm_forward_near_lossless():
+    """The bound tests/test_cache.py holds the 8-bit cache to: max |logit error| within 5 % of the logits' std."""
+    model = make_model("llama")
+    ids = prompt(90)
+    ref = logits(model, ids, DynamicCache(config=model.config))
+    cache = QuantCache(bits=8, **NORM, **OPTS)
+    out = logits(model, ids, cache)
+    assert cache.layers[0].quantized_length > 0 and cache.layers[0].v_codec.norm
+    assert (out - ref).abs().max() <= 0.05 * ref.std()
+    seq = generate(model, prompt(60), QuantCache(bits=8, **NORM, **OPTS), max_new_tokens=10)
+    assert_greedy_agrees(model, seq, 60)
+
+
+@pytest.mark.parametrize("rotate", ["kv", "k", "v"])
+def test_rotate_one_stream(rotate):
+    """rotate="k" / "v" rotates that stream only: the other codec has no rotation and reads without the matrix;
+    the matrix is still counted once, and everything the cache holds is counted."""
+    model = make_model("llama")
+    cache = QuantCache(bits=4, rotation="hadamard", rotate=rotate, **OPTS)
+    generate(model, prompt(60), cache, max_new_tokens=4)
+    layer = cache.layers[0]
+    assert layer.k_codec.rotation == ("k" in rotate) and layer.v_codec.rotation == ("v" in rotate)
+    assert ("rotation" in layer.consts["k"]) == ("k" in rotate) and ("rotation" in layer.consts["v"]) == ("v" in rotate)
+    mem = cache.memory()
+    assert mem.rotation == 32 * 32 * 4 and mem.total == reachable_bytes(cache)
+
+
+def _feed(cache, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    outs, pos = [], 0
+    for n in [70] + [1] * steps:
+        k, v = (torch.randn(1, 2, n, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+        outs.append(cache.update(k, v, 0, kwargs={"position_ids": torch.arange(pos, pos + n)[None]}))
+        pos += n
+    return outs
+
+
+COMPILED = dict(bits=3, rotate="v", **NORM, **OPTS)  # one compile covers the norm codec and one-stream rotation
+
+
+def test_compiled_read_and_fused_decode_with_norm_values():
+    config = make_model("llama").config
+    eager = QuantCache(config, kernel="eager", **COMPILED)
+    fused = QuantCache(config, kernel="compiled", **COMPILED)
+    for (ke, ve), (kf, vf) in zip(_feed(eager, 3), _feed(fused, 3)):
+        torch.testing.assert_close(kf, ke, rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(vf, ve, rtol=2**-7, atol=1e-3)
+    layer = fused.layers[0]
+    assert layer.kernel == "compiled" and layer.quantized_length > 0
+    layer.fused_attention = True
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    keys, values = layer.update(k, v, kwargs={"position_ids": torch.tensor([[73]])})
+    assert keys._qcache_layer is layer
+    full_k, full_v = layer.read()
+    query = torch.randn(1, 4, 1, 32, generator=g).to(torch.bfloat16)
+    module = torch.nn.Module()
+    out, _ = fp32_sdpa_attention_forward(module, query, keys, values, None, scaling=0.2)
+    ref, _ = fp32_sdpa_attention_forward(module, query, full_k, full_v, None, scaling=0.2)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2e-3)
