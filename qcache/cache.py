@@ -177,7 +177,8 @@ class QuantLayer(CacheLayerMixin):
                                 codebook=k_consts["codebook"] is not None, static=cfg.static_keys,
                                 rotation=cfg.rotation != "none" and "k" in cfg.rotate)
         self._v_codec_args = dict(bits=cfg.v_bits, scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
-                                  codebook=v_consts["codebook"] is not None or cfg.levels == "lloyd-max",
+                                  codebook=(v_consts["codebook"] is not None or cfg.levels == "lloyd-max"
+                                            or cfg.v_scale == "norm"),
                                   rotation=cfg.rotation != "none" and "v" in cfg.rotate, norm=cfg.v_scale == "norm")
         self.v_codec: ValueCodec | None = None  # its group depends on head_dim: built at the first update
         self.layer_idx = layer_idx

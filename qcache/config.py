@@ -85,8 +85,9 @@ class QuantCacheConfig:
             `v_group_size` channels, levels spanning the group's [min, max]. "norm": one number per token and head
             (its least-squares scale, in `scale_dtype`) and the Lloyd-Max levels of a standard Gaussian, which the
             coordinates of a Hadamard-rotated token divided by its RMS approximately follow (qcache/levels.py): half
-            the metadata of one "minmax" group, a quarter of four. Needs rotation="hadamard" on values (rotate "kv"
-            or "v") and levels="lloyd-max"; not combinable with outliers, clip_search or v_group_size.
+            the metadata of one "minmax" group, a quarter of four. These levels are its own: `levels` then applies to
+            keys only. Needs rotation="hadamard" on values (rotate "kv" or "v"); not combinable with outliers,
+            clip_search or v_group_size.
 
     Example:
         >>> QuantCacheConfig(bits=2).k_bits
@@ -160,9 +161,6 @@ class QuantCacheConfig:
                 raise ValueError(f"v_scale='norm' needs rotated values (its levels assume them); got rotation="
                                  f"{self.rotation!r}, rotate={self.rotate!r}; allowed: rotation='hadamard' with rotate "
                                  "'kv' or 'v', or v_scale='minmax'")
-            if self.levels != "lloyd-max":
-                raise ValueError(f"v_scale='norm' uses Gaussian Lloyd-Max levels; got levels={self.levels!r}; allowed: "
-                                 "levels='lloyd-max', or v_scale='minmax'")
             for name, off in (("outliers", 0), ("clip_search", False), ("v_group_size", None)):
                 if getattr(self, name) != off:
                     raise ValueError(f"v_scale='norm' scales whole heads (no groups, outliers or range clipping); got "

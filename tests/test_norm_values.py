@@ -86,7 +86,6 @@ def test_norm_codec_zero_token_and_bits_per_value():
     (dict(v_scale="absmax"), r"v_scale='absmax' is not supported; allowed values: \['minmax', 'norm'\]"),
     (dict(v_scale="norm", levels="lloyd-max"), r"v_scale='norm' needs rotated values .*rotation='none'"),
     (dict(v_scale="norm", rotation="hadamard", levels="lloyd-max", rotate="k"), r"rotate='k'; allowed"),
-    (dict(v_scale="norm", rotation="hadamard"), r"levels='uniform'; allowed: levels='lloyd-max'"),
     (dict(NORM, outliers=1), r"got outliers=1; allowed: outliers=0"),
     (dict(NORM, clip_search=True), r"got clip_search=True; allowed: clip_search=False"),
     (dict(NORM, v_group_size=32), r"got v_group_size=32; allowed: v_group_size=None"),
@@ -109,6 +108,16 @@ def test_options_round_trip_and_sizes():
 
 
 # --- a cache -------------------------------------------------------------------------------------------------------
+
+def test_norm_values_bring_their_own_levels():
+    """v_scale="norm" with levels="uniform": keys keep uniform levels (no codebook), values use the Gaussian ones."""
+    model = make_model("llama")
+    cache = QuantCache(bits=3, rotation="hadamard", v_scale="norm", **OPTS)
+    generate(model, prompt(60), cache, max_new_tokens=2)
+    layer = cache.layers[0]
+    assert not layer.k_codec.codebook and layer.consts["k"]["codebook"] is None
+    assert layer.v_codec.codebook and torch.equal(layer.consts["v"]["codebook"], gaussian_levels_tensor(3))
+
 
 def test_8bit_norm_forward_near_lossless():
     """The bound tests/test_cache.py holds the 8-bit cache to: max |logit error| within 5 % of the logits' std."""
