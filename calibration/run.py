@@ -7,6 +7,7 @@ Besides the per-layer codebooks and static key ranges it records the K/V ranges 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -17,6 +18,7 @@ from qcache.calibfile import CalibrationData
 from qcache.config import QuantCacheConfig
 from qcache.rope import RopeHelper, has_rope
 
+from .budget import allocate, measure_sensitivities, plan_bits_per_value
 from .collect import collect_statistics
 from .fit import CLIP_CANDIDATES, fit_codebook, fit_static_key_range, key_samples, value_samples
 
@@ -56,30 +58,51 @@ def kv_absmax(stats: dict[int, dict[str, torch.Tensor]], text_config, seq_len: i
 
 
 def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, settings: dict, seed: int = 0,
-              progress: bool = True) -> CalibrationData:
+              progress: bool = True, budget: float | None = None, context: int | None = None,
+              sensitivity_ids: torch.Tensor | None = None) -> CalibrationData:
     """Run `model` over `input_ids` [N, L] and fit, for every full-attention layer (and sliding layers when
-    `options.sliding_layers == "quantized"`): key/value codebooks for options.k_bits/v_bits and static key ranges;
-    and for every layer the K (after RoPE) / V ranges (`kv_absmax`)."""
+    `options.sliding_layers == "quantized"`): key/value codebooks for the layer's k_bits/v_bits and static key ranges;
+    and for every layer the K (after RoPE) / V ranges (`kv_absmax`).
+
+    With `budget` (bits/value at `context` tokens): per-layer widths first (`calibration.budget`: sensitivities
+    measured on `sensitivity_ids` [N, L], greedy allocation), stored as the file's `layer_bits`, the sensitivities in
+    its settings."""
     torch.manual_seed(seed)
     text_config = model.config.get_text_config(decoder=True)
     fingerprint = model_fingerprint(text_config)
     layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
     wanted = {i for i, t in enumerate(layer_types)
               if t == "full_attention" or (t == "sliding_attention" and options.sliding_layers == "quantized")}
+    if budget is not None:
+        if context is None or sensitivity_ids is None:
+            raise ValueError("a budget needs the context it is counted at and the sequences to measure on")
+        quantized = sorted(wanted)
+        sens, base_kl = measure_sensitivities(model, sensitivity_ids, options, quantized, progress=progress)
+        heads, head_dim = fingerprint["num_key_value_heads"], fingerprint["head_dim"]
+        plan = allocate(sens, options, budget, len(layer_types), quantized, heads, head_dim, context)
+        options = dataclasses.replace(options, bits=None, layer_bits=plan)
+        settings = {**settings, "budget_bits_per_value": budget, "budget_context": context,
+                    "plan_bits_per_value": round(plan_bits_per_value(options, plan, quantized, heads, head_dim,
+                                                                     context), 4),
+                    "sensitivity_tokens": int(sensitivity_ids.numel()), "sensitivity_base_kl": base_kl,
+                    "layer_sensitivities": {f"{layer}.{stream}.{w}": round(v, 6)
+                                            for (layer, stream, w), v in sens.items()}}
+        log.info("per-layer widths for %s bits/value at %d tokens: %s", budget, context, plan)
     stats = collect_statistics(model, input_ids, progress=progress)
     head_dim = fingerprint["head_dim"]
     v_group = options.value_group_size(head_dim)
     layers = {}
     for idx in tqdm(sorted(wanted), desc="fit layers", disable=not progress):
         s = stats[idx]
-        zero, rng = fit_static_key_range(s["keys"], options.k_bits, seed=seed)
-        static_scale = rng / (2**options.k_bits - 1)
+        own = options.for_layer(idx)
+        zero, rng = fit_static_key_range(s["keys"], own.k_bits, seed=seed)
+        static_scale = rng / (2**own.k_bits - 1)
         k_u, k_w = key_samples(s["keys"], s["k_weight"], options.k_group_size,
                                static=(zero, rng) if options.static_keys else None, outliers=options.outliers)
         v_u, v_w = value_samples(s["values"], s["v_weight"], v_group, outliers=options.outliers)
         layers[idx] = {
-            "k_codebook": fit_codebook(k_u, k_w, options.k_bits, seed=seed),
-            "v_codebook": fit_codebook(v_u, v_w, options.v_bits, seed=seed),
+            "k_codebook": fit_codebook(k_u, k_w, own.k_bits, seed=seed),
+            "v_codebook": fit_codebook(v_u, v_w, own.v_bits, seed=seed),
             "k_channel_weight": s["k_weight"].float(),
             "k_static_zero": zero.float(),
             "k_static_scale": static_scale.float(),

@@ -666,6 +666,7 @@ class QuantCache(Cache):
         if self.options.rope == "pre":
             rope = RopeHelper(text_config, modeling_module=modeling_module, prefix=prefix)
         layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
+        self.options.check_layers(len(layer_types))
         # one rotation matrix for every layer (raises here if head_dim is not a power of two)
         self._rotation = (SharedRotation(fingerprint["head_dim"], self.options.rotation_seed)
                           if self.options.rotation != "none" else None)
@@ -673,14 +674,15 @@ class QuantCache(Cache):
         for idx, layer_type in enumerate(layer_types):
             calib = self.calibration.layer(idx) if self.calibration is not None else None
             if layer_type == "full_attention":
-                layers.append(QuantLayer(self.options, idx, rope, calibration=calib, rotation=self._rotation))
+                layers.append(QuantLayer(self.options.for_layer(idx), idx, rope, calibration=calib,
+                                         rotation=self._rotation))
             elif layer_type == "sliding_attention":
                 window = text_config.sliding_window
                 if self.options.sliding_layers == "native":
                     layers.append(SlidingWindowLayer(sliding_window=window))
                 else:
-                    layers.append(QuantLayer(self.options, idx, rope, sliding_window=window, calibration=calib,
-                                             rotation=self._rotation))
+                    layers.append(QuantLayer(self.options.for_layer(idx), idx, rope, sliding_window=window,
+                                             calibration=calib, rotation=self._rotation))
             else:
                 raise ValueError(
                     f"layer {idx} of model_type={fingerprint['model_type']!r} has layer type {layer_type!r}; "

@@ -262,6 +262,7 @@ def load_calibration(source: str | os.PathLike, model=None, revision: str | None
     if isinstance(ids := _parse_layer_ids(layer_ids, fingerprint["num_hidden_layers"]), str):
         raise ValueError(f"{where}: metadata 'layers' {ids}")
 
+    options.check_layers(fingerprint["num_hidden_layers"])
     shapes = _expected_shapes(fingerprint, options)
     known_global = KV_RANGE_TENSORS if metadata["format_version"] != "1" else ()
     layers: dict[int, dict[str, torch.Tensor]] = {i: {} for i in ids}
@@ -280,7 +281,11 @@ def load_calibration(source: str | os.PathLike, model=None, revision: str | None
         else:
             raise ValueError(f"{where} has an unexpected tensor {name!r}; allowed: layers.<i>.<name> for the "
                              f"calibrated layers {ids}" + (f" and {list(known_global)}" if known_global else ""))
-        if (problem := _tensor_problem(name, kind, tensor, shapes[kind], options)) is not None:
+        # with layer_bits each layer's codebooks are sized by its own pair
+        own = options.for_layer(int(parts[1])) if len(parts) == 3 and options.layer_bits is not None else options
+        if own is not options:
+            shapes = {**shapes, **{k: v for k, v in _expected_shapes(fingerprint, own).items() if k.endswith("codebook")}}
+        if (problem := _tensor_problem(name, kind, tensor, shapes[kind], own)) is not None:
             raise ValueError(f"{where}: {problem}")
     for idx, layer in layers.items():
         missing = [f"layers.{idx}.{n}" for n in REQUIRED_TENSORS if n not in layer]

@@ -5,6 +5,13 @@
     python -m qcache.calibrate --model ./my-hf-dir --data my_text.jsonl --samples 32 --seq-len 1024 --out x.safetensors
     python -m qcache.calibrate --model smollm2-135m --save-dir out/smollm2-qcache-4bit --quality eval.md
     python -m qcache.calibrate --model smollm2-135m --push-to-hub org/smollm2-qcache-4bit
+    python -m qcache.calibrate --model smollm2-135m --bits-per-value 3.5 --option rotation=hadamard \
+        --option v_scale=norm --option codebooks=false --out plan.safetensors     # per-layer widths
+
+`--bits-per-value B` also chooses one (k_bits, v_bits) per layer within B bits/value at `--context` tokens
+(calibration/budget.py: each layer's keys and values measured at 2, 3 and 4 bits on `--sensitivity-samples`
+sequences of `--sensitivity-len` tokens, then a greedy allocation) and stores them as the file's `layer_bits`.
+`--option NAME=VALUE` sets any other QuantCacheConfig option stored with the file (and used for the measurement).
 
 Default data: dataset_build's English prose, the part evaluation never reads (qcache.data "calibration" split).
 `--save-dir` writes a folder laid out like a hub repo (the file + a README.md model card naming the model, the
@@ -62,10 +69,12 @@ def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int
 
 def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
                     samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str | None = None,
-                    progress: bool = True):
+                    progress: bool = True, budget: dict | None = None):
     """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved).
 
-    `dtype` is recorded in the file's settings; None records the dtype the model's weights are in."""
+    `dtype` is recorded in the file's settings; None records the dtype the model's weights are in. `budget`
+    ({"budget": bits/value, "context": tokens, "samples": n, "seq_len": L}) also chooses per-layer widths, measured
+    on n other sequences of L tokens of the same text."""
     from calibration import calibrate
 
     from .data import read_split, sha256_of_split
@@ -81,7 +90,34 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     settings = {"model": model_name, "data_source": source, "data_sha256": sha, "samples": samples,
                 "seq_len": seq_len, "dtype": dtype}
-    return calibrate(model, ids, options, settings, seed=seed, progress=progress)
+    if budget is None:
+        return calibrate(model, ids, options, settings, seed=seed, progress=progress)
+    sens_ids = sample_sequences(tokenizer, text, budget["samples"], budget["seq_len"], seed + 1)
+    return calibrate(model, ids, options, settings, seed=seed, progress=progress, budget=budget["budget"],
+                     context=budget["context"], sensitivity_ids=sens_ids)
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """"NAME=VALUE" -> (name, value typed as the QuantCacheConfig field: int, bool, str or None)."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(QuantCacheConfig) if f.name not in ("bits", "layer_bits")}
+    name, sep, raw = text.partition("=")
+    if not sep or name not in fields:
+        raise ValueError(f"--option {text!r}: expected NAME=VALUE with NAME one of {sorted(fields)}")
+    kind = str(fields[name].type)
+    if raw.lower() == "none" and "None" in kind:
+        return name, None
+    if kind.startswith("bool"):
+        if raw.lower() not in ("true", "false"):
+            raise ValueError(f"--option {text!r}: {name} is true or false")
+        return name, raw.lower() == "true"
+    if kind.startswith("int"):
+        try:
+            return name, int(raw)
+        except ValueError:
+            raise ValueError(f"--option {text!r}: {name} is an integer") from None
+    return name, raw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outliers", type=int, default=1,
                    help="QuantCacheConfig.outliers stored with the file; codebooks are fitted without them (default 1: "
                         "the best calibrated 4-bit row per byte in docs/results/calibration-smollm2.md; 0: off)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="any other QuantCacheConfig option stored with the file (repeatable)")
+    p.add_argument("--bits-per-value", type=float,
+                   help="choose per-layer widths (2/3/4 bits for keys and values) within this budget of bits/value")
+    p.add_argument("--context", type=int,
+                   help="with --bits-per-value: the context the budget is counted at (default: the model's maximum)")
+    p.add_argument("--sensitivity-samples", type=int, default=1,
+                   help="with --bits-per-value: sequences the layer sensitivities are measured on (default 1)")
+    p.add_argument("--sensitivity-len", type=int, default=2048,
+                   help="with --bits-per-value: tokens per such sequence (default 2048)")
     p.add_argument("--data", type=Path, help="a .txt or .jsonl ('text' field) file; default: the calibration split")
     p.add_argument("--samples", type=int, default=16, help="sequences of calibration text")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
@@ -134,11 +180,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.static_keys is not None:
         opts["static_keys"] = args.static_keys
     opts["outliers"] = args.outliers
-    options = QuantCacheConfig(**opts)
+    try:
+        opts.update(parse_option(text) for text in args.option)
+        options = QuantCacheConfig(**opts)
+    except ValueError as err:
+        p.error(str(err))
+    from .cache import _check_calibration_options
+
+    try:  # a file whose options refuse its own codebooks would not load
+        _check_calibration_options(options, True)
+    except ValueError as err:
+        p.error(f"the options stored with the file refuse its codebooks: {err}")
+    if args.bits_per_value is not None and args.bits_per_value <= 0:
+        p.error(f"--bits-per-value={args.bits_per_value} must be positive")
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    budget = None
+    if args.bits_per_value is not None:
+        context = args.context or int(model.config.get_text_config(decoder=True).max_position_embeddings)
+        budget = {"budget": args.bits_per_value, "context": context, "samples": args.sensitivity_samples,
+                  "seq_len": args.sensitivity_len}
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
-                           args.dtype)
+                           args.dtype, budget=budget)
     data.settings["seconds"] = round(time.perf_counter() - t0, 1)
     with tempfile.TemporaryDirectory() as tmp:
         path = save_calibration(args.out or Path(tmp) / hub.CALIBRATION_FILENAME, data)

@@ -81,6 +81,10 @@ class QuantCacheConfig:
             min-max normalized Gaussian groups of the codec's group size (qcache/levels.py); best with
             rotation="hadamard". Not combinable with a calibration file's codebooks (pass codebooks=False) or
             static_keys.
+        layer_bits: per-layer widths: one (k_bits, v_bits) pair per layer of the model (every layer, sliding ones
+            included; a layer kept native ignores its pair), instead of `k_bits`/`v_bits` for all. The number of
+            pairs must equal the model's layers (checked when the cache binds to a model). `python -m qcache.calibrate
+            --bits-per-value B` chooses them from measured sensitivities and stores them in its file.
         v_scale: how a value token is scaled. "minmax" (default): a scale and a zero-point per group of
             `v_group_size` channels, levels spanning the group's [min, max]. "norm": one number per token and head
             (its least-squares scale, in `scale_dtype`) and the Lloyd-Max levels of a standard Gaussian, which the
@@ -114,11 +118,24 @@ class QuantCacheConfig:
     levels: str = "uniform"
     rotate: str = "kv"
     v_scale: str = "minmax"
+    layer_bits: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.bits is not None:
             _check_choice("bits", self.bits, SUPPORTED_BITS)
             self.k_bits = self.v_bits = self.bits
+        if self.layer_bits is not None:
+            if self.bits is not None:
+                raise ValueError(f"bits={self.bits} and layer_bits both set widths; allowed: one of them")
+            pairs = self.layer_bits
+            if (not isinstance(pairs, (list, tuple)) or not pairs
+                    or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs)):
+                raise ValueError(f"layer_bits={pairs!r} must be a non-empty list of (k_bits, v_bits) pairs, one per "
+                                 "layer")
+            for i, (kb, vb) in enumerate(pairs):
+                _check_choice(f"layer_bits[{i}] k_bits", kb, SUPPORTED_BITS)
+                _check_choice(f"layer_bits[{i}] v_bits", vb, SUPPORTED_BITS)
+            self.layer_bits = tuple((int(kb), int(vb)) for kb, vb in pairs)
         _check_choice("k_bits", self.k_bits, SUPPORTED_BITS)
         _check_choice("v_bits", self.v_bits, SUPPORTED_BITS)
         for name in ("k_group_size", "v_group_size"):
@@ -188,6 +205,26 @@ class QuantCacheConfig:
             )
         return self.v_group_size
 
+    def for_layer(self, idx: int) -> "QuantCacheConfig":
+        """The options of layer `idx`: its `layer_bits` pair as k_bits/v_bits (these options when none are set)."""
+        if self.layer_bits is None:
+            return self
+        if not 0 <= idx < len(self.layer_bits):
+            raise ValueError(f"layer {idx} has no layer_bits pair: layer_bits holds {len(self.layer_bits)} layers")
+        kb, vb = self.layer_bits[idx]
+        return dataclasses.replace(self, k_bits=kb, v_bits=vb, layer_bits=None)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise if `layer_bits` does not hold one pair per layer of a model with `num_layers` layers."""
+        if self.layer_bits is not None and len(self.layer_bits) != num_layers:
+            raise ValueError(f"layer_bits holds {len(self.layer_bits)} (k_bits, v_bits) pairs but the model has "
+                             f"{num_layers} layers; allowed: one pair per layer")
+
+    def mean_bits(self) -> float:
+        """Code bits per value, averaged over keys and values (and over layers with `layer_bits`)."""
+        pairs = self.layer_bits or ((self.k_bits, self.v_bits),)
+        return sum(kb + vb for kb, vb in pairs) / (2 * len(pairs))
+
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if the value groups do not tile `head_dim`."""
         self.value_group_size(head_dim)
@@ -218,8 +255,13 @@ class QuantCacheConfig:
         """Expected bytes held per token (one batch row), averaged over `num_tokens`, all layers: packed data +
         scales/zeros + outliers + full-precision tokens + the int64 first position kept per row. Matches what
         `QuantCache.memory()` counts, less its preallocated-but-unused capacity (`reserved`), the RoPE helper's
-        few KB (`rope`) and the per-cache constants (`codebooks`, `rotation`)."""
+        few KB (`rope`) and the per-cache constants (`codebooks`, `rotation`). With `layer_bits`: the mean over its
+        layers, times `num_layers`."""
         self.check_head_dim(head_dim)
+        if self.layer_bits is not None:
+            per_layer = [self.for_layer(i).bytes_per_token(1, num_kv_heads, head_dim, num_tokens, fp_bytes)
+                         for i in range(len(self.layer_bits))]
+            return num_layers * sum(per_layer) / len(per_layer)
         sb = SCALE_DTYPES[self.scale_dtype]
         fp = self.full_precision_tokens(num_tokens)
         q = num_tokens - fp

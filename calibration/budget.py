@@ -1,0 +1,130 @@
+"""Per-layer widths under a budget: measure how much each layer's keys and values lose at each width, then spend
+bits where they buy the most.
+
+Sensitivity of (layer l, stream s, width w): the KL divergence, nats per token, of the next-token distributions of a
+cache whose every quantized layer holds 8-bit keys and values except stream s of layer l at w bits, against the
+default (full-precision) cache, minus the same KL with every layer at 8 bits. The text (calibration split) goes
+through both caches `chunk` tokens at a time, as the fidelity runner feeds it, and the second half of each sequence
+is scored, where most of the cache is quantized. One forward pass of the sequences per (l, s, w).
+
+Allocation (`allocate`): start every quantized (layer, stream) at the narrowest width, then repeatedly widen the one
+whose next width lowers its sensitivity most, as long as the plan's bits/value (`QuantCacheConfig.bytes_per_token`
+at `context` tokens: codes, scales, full-precision tokens; not reserved capacity) stays within the budget. Widening
+a stream costs the same bits in every layer (all layers hold the same number of values), so this greedy choice is
+the best step per bit; it treats the losses of different layers as adding up, which holds for small losses.
+
+Example:
+    >>> sens = {(0, "k", 2): 0.3, (0, "k", 3): 0.05, (0, "k", 4): 0.01, (0, "v", 2): 0.1, (0, "v", 3): 0.02,
+    ...         (0, "v", 4): 0.005, (1, "k", 2): 0.02, (1, "k", 3): 0.004, (1, "k", 4): 0.001,
+    ...         (1, "v", 2): 0.01, (1, "v", 3): 0.003, (1, "v", 4): 0.001}
+    >>> opts = QuantCacheConfig(recent_tokens=0, sink_tokens=0)
+    >>> allocate(sens, opts, budget=3.6, num_layers=2, quantized=[0, 1], kv_heads=1, head_dim=64, context=4096)
+    ((4, 3), (3, 2))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from tqdm.auto import tqdm
+
+from qcache.config import QuantCacheConfig
+
+__all__ = ["measure_sensitivities", "allocate", "plan_bits_per_value", "WIDTHS"]
+
+WIDTHS = (2, 3, 4)
+_BASE = 8  # every other layer's width while one (layer, stream) is measured
+
+
+def _kl_of(model, input_ids: torch.Tensor, make_cache, reference: list[torch.Tensor], chunk: int) -> float:
+    """Mean KL(reference || cache) over the second half of each sequence, nats/token."""
+    total, count = 0.0, 0
+    for row, ref in zip(input_ids, reference):
+        cache = make_cache()
+        logps = []
+        for start in range(0, row.numel(), chunk):
+            out = model(row[None, start:start + chunk], past_key_values=cache, use_cache=True)
+            logps.append(out.logits[0].float().log_softmax(-1))
+        logp = torch.cat(logps)[row.numel() // 2:]
+        total += float((ref.exp() * (ref - logp)).sum())
+        count += logp.shape[0]
+    return total / count
+
+
+@torch.no_grad()
+def measure_sensitivities(model, input_ids: torch.Tensor, options: QuantCacheConfig, quantized: list[int],
+                          widths: tuple[int, ...] = WIDTHS, chunk: int = 256, progress: bool = True
+                          ) -> tuple[dict[tuple[int, str, int], float], float]:
+    """{(layer, "k"|"v", width): sensitivity} for every layer in `quantized` (see the module docstring), and the KL
+    of the all-8-bit cache they are measured from. `options` are the cache's other options (rotation, groups, ...)."""
+    from transformers import DynamicCache
+
+    from qcache.cache import QuantCache
+
+    text_config = model.config.get_text_config(decoder=True)
+    num_layers = int(text_config.num_hidden_layers)
+    reference = []
+    for row in input_ids:
+        cache = DynamicCache(config=model.config)
+        logps = [model(row[None, s:s + chunk], past_key_values=cache, use_cache=True).logits[0].float().log_softmax(-1)
+                 for s in range(0, row.numel(), chunk)]
+        reference.append(torch.cat(logps)[row.numel() // 2:])
+
+    def kl_with(pairs):
+        opts = dataclasses.replace(options, bits=None, layer_bits=tuple(pairs))
+        return _kl_of(model, input_ids, lambda: QuantCache(model.config, options=opts), reference, chunk)
+
+    base_pairs = [(_BASE, _BASE)] * num_layers
+    base = kl_with(base_pairs)
+    out = {}
+    jobs = [(layer, stream, w) for layer in quantized for stream in ("k", "v") for w in widths]
+    for layer, stream, w in tqdm(jobs, desc="layer sensitivities", disable=not progress):
+        pairs = list(base_pairs)
+        pairs[layer] = (w, _BASE) if stream == "k" else (_BASE, w)
+        out[(layer, stream, w)] = max(kl_with(pairs) - base, 0.0)
+    return out, base
+
+
+def plan_bits_per_value(options: QuantCacheConfig, pairs, quantized: list[int], kv_heads: int, head_dim: int,
+                        context: int) -> float:
+    """Bits per value a plan holds at `context` tokens, over the quantized layers (`bytes_per_token`: codes, scales,
+    full-precision tokens and positions)."""
+    total = 0.0
+    for layer in quantized:
+        kb, vb = pairs[layer]
+        cfg = dataclasses.replace(options, bits=None, layer_bits=None, k_bits=kb, v_bits=vb)
+        total += cfg.bytes_per_token(1, kv_heads, head_dim, context)
+    return total * 8 / (len(quantized) * kv_heads * head_dim * 2)
+
+
+def allocate(sensitivities: dict[tuple[int, str, int], float], options: QuantCacheConfig, budget: float,
+             num_layers: int, quantized: list[int], kv_heads: int, head_dim: int, context: int,
+             widths: tuple[int, ...] = WIDTHS) -> tuple[tuple[int, int], ...]:
+    """One (k_bits, v_bits) per layer within `budget` bits/value (see the module docstring); layers not in
+    `quantized` (kept native) get the narrowest pair. Raises if even the narrowest plan is over the budget."""
+    widths = tuple(sorted(widths))
+    pairs = [[widths[0], widths[0]] for _ in range(num_layers)]
+    lowest = plan_bits_per_value(options, pairs, quantized, kv_heads, head_dim, context)
+    if lowest > budget:
+        raise ValueError(f"budget {budget} bits/value is below the narrowest plan ({widths[0]}-bit keys and values: "
+                         f"{lowest:.3f} bits/value at {context} tokens); allowed: a budget of at least that")
+    index = {"k": 0, "v": 1}
+    while True:
+        best, best_gain = None, 0.0
+        for layer in quantized:
+            for stream, i in index.items():
+                w = pairs[layer][i]
+                if w == widths[-1]:
+                    continue
+                nxt = widths[widths.index(w) + 1]
+                gain = sensitivities[(layer, stream, w)] - sensitivities[(layer, stream, nxt)]
+                trial = [list(p) for p in pairs]
+                trial[layer][i] = nxt
+                if gain > best_gain and plan_bits_per_value(options, trial, quantized, kv_heads, head_dim,
+                                                            context) <= budget:
+                    best, best_gain = (layer, i, nxt), gain
+        if best is None:
+            return tuple((int(kb), int(vb)) for kb, vb in pairs)
+        layer, i, nxt = best
+        pairs[layer][i] = nxt

@@ -1,0 +1,131 @@
+"""Per-layer widths: `layer_bits` in the options and the cache, and `calibration.budget` (sensitivities measured on
+text, greedy allocation under a bits/value budget, the plan in the calibration file)."""
+
+import json
+
+import pytest
+import torch
+
+from calibration.budget import allocate, measure_sensitivities, plan_bits_per_value
+from conftest import make_model
+from qcache import QuantCache, QuantCacheConfig
+from qcache.calibfile import load_calibration
+from test_cache import generate, prompt
+
+OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+
+
+# --- options and the cache -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(layer_bits=[[4, 5]]), r"layer_bits\[0\] v_bits=5 is not supported; allowed values: \[2, 3, 4, 8\]"),
+    (dict(layer_bits=[]), r"must be a non-empty list of \(k_bits, v_bits\) pairs"),
+    (dict(layer_bits=[[4, 4, 4]]), r"must be a non-empty list of \(k_bits, v_bits\) pairs"),
+    (dict(layer_bits=[[4, 4]], bits=3), r"bits=3 and layer_bits both set widths"),
+])
+def test_bad_layer_bits_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantCacheConfig(**kwargs)
+
+
+def test_layer_bits_build_per_layer_codecs_and_count_their_bytes():
+    model = make_model("llama")  # 2 layers
+    cache = QuantCache(layer_bits=[[4, 2], [2, 3]], **OPTS)
+    generate(model, prompt(70), cache, max_new_tokens=3)
+    assert [(lay.k_codec.bits, lay.v_codec.bits) for lay in cache.layers] == [(4, 2), (2, 3)]
+    packed = [lay.store.nbytes()["packed"] for lay in cache.layers]
+    tokens = cache.layers[0].quantized_length
+    assert packed == [2 * tokens * 32 * (4 + 2) // 8, 2 * tokens * 32 * (2 + 3) // 8]  # 2 heads x head_dim 32
+    cfg = cache.options
+    assert QuantCacheConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg.mean_bits() == pytest.approx(11 / 4)
+    both = cfg.bytes_per_token(2, 2, 32, 1000)
+    assert both == pytest.approx(cfg.for_layer(0).bytes_per_token(1, 2, 32, 1000)
+                                 + cfg.for_layer(1).bytes_per_token(1, 2, 32, 1000))
+
+
+def test_layer_bits_for_another_number_of_layers_raise():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=r"layer_bits holds 3 .* pairs but the model has 2 layers"):
+        generate(model, prompt(20), QuantCache(layer_bits=[[4, 4]] * 3, **OPTS), max_new_tokens=1)
+
+
+# --- allocation ------------------------------------------------------------------------------------------------------
+
+def _toy_sensitivities(layers, scale):
+    """Losses that fall 5x per bit, layer i weighing scale[i]."""
+    return {(i, s, w): scale[i] * (1.0 if s == "k" else 0.5) * 5.0 ** -(w - 2)
+            for i in range(layers) for s in "kv" for w in (2, 3, 4)}
+
+
+def test_allocation_spends_bits_on_the_sensitive_layers_within_the_budget():
+    opts = QuantCacheConfig(recent_tokens=0, sink_tokens=0)
+    sens = _toy_sensitivities(4, [10.0, 1.0, 1.0, 0.1])
+    quantized = [0, 1, 2, 3]
+    for budget in (2.6, 3.0, 3.5, 4.0, 4.5):
+        plan = allocate(sens, opts, budget, 4, quantized, kv_heads=2, head_dim=64, context=4096)
+        assert plan_bits_per_value(opts, plan, quantized, 2, 64, 4096) <= budget
+        assert plan[0] >= plan[3]  # the sensitive layer is never narrower than the insensitive one
+        assert plan[0][0] >= plan[0][1]  # its keys (twice the loss) never narrower than its values
+    assert allocate(sens, opts, 9.0, 4, quantized, 2, 64, 4096) == ((4, 4),) * 4
+    # native (not quantized) layers keep the narrowest pair and cost nothing
+    assert allocate(sens, opts, 3.0, 4, [0, 2], 2, 64, 4096)[1] == (2, 2)
+
+
+def test_allocation_under_the_narrowest_plan_raises():
+    opts = QuantCacheConfig(recent_tokens=0, sink_tokens=0)
+    with pytest.raises(ValueError, match=r"budget 2.2 bits/value is below the narrowest plan \(2-bit keys and "
+                                         r"values: 2.50"):
+        allocate(_toy_sensitivities(2, [1, 1]), opts, 2.2, 2, [0, 1], 2, 64, 4096)
+
+
+# --- measurement and the calibration file ------------------------------------------------------------------------------
+
+def test_sensitivities_are_measured_per_layer_stream_and_width():
+    model = make_model("llama")
+    ids = torch.randint(2, 96, (1, 96), generator=torch.Generator().manual_seed(0))
+    sens, base = measure_sensitivities(model, ids, QuantCacheConfig(**OPTS), [0, 1], chunk=32, progress=False)
+    assert set(sens) == {(i, s, w) for i in (0, 1) for s in "kv" for w in (2, 3, 4)}
+    assert base >= 0 and all(v >= 0 for v in sens.values())
+    # narrower codes lose more: summed over layers and streams
+    total = {w: sum(v for (_, _, ww), v in sens.items() if ww == w) for w in (2, 3, 4)}
+    assert total[2] > total[3] > total[4], total
+
+
+def test_cli_stores_the_plan(tmp_path, monkeypatch):
+    from qcache import calibrate as cli
+
+    model = make_model("llama")
+
+    class WordTokenizer:
+        def __call__(self, text, add_special_tokens=False, return_tensors=None):
+            return {"input_ids": torch.tensor([[2 + hash(w) % 90 for w in text.split()]])}
+
+    monkeypatch.setattr("qcache.models.load_model", lambda name, dtype=None: (model, WordTokenizer()))
+    text = tmp_path / "data.txt"
+    text.write_text(" ".join(f"w{i % 300}" for i in range(2000)))
+    out = tmp_path / "plan.safetensors"
+    args = ["--model", "tiny", "--data", str(text), "--samples", "2", "--seq-len", "64", "--out", str(out),
+            "--bits-per-value", "5.3", "--context", "8192", "--sensitivity-len", "96", "--option", "k_group_size=16",
+            "--option", "rotation=hadamard", "--option", "codebooks=false"]
+    assert cli.main(args) == 0
+    data = load_calibration(out)
+    plan = data.options["layer_bits"]
+    assert len(plan) == 2 and data.options["rotation"] == "hadamard" and data.options["k_group_size"] == 16
+    assert data.settings["plan_bits_per_value"] <= 5.3 and len(data.settings["layer_sensitivities"]) == 12
+    cache = QuantCache.from_calibration(out)
+    generate(model, prompt(40), cache, max_new_tokens=2)
+    assert [[lay.k_codec.bits, lay.v_codec.bits] for lay in cache.layers] == [list(p) for p in plan]
+    # the file's codebooks are sized per layer
+    assert [data.layers[i]["k_codebook"].numel() for i in (0, 1)] == [2 ** p[0] for p in plan]
+
+
+def test_cli_refuses_options_that_refuse_the_files_codebooks(tmp_path, capsys):
+    from qcache import calibrate as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "rotation=hadamard"])
+    assert "refuse its codebooks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "colour=blue"])
+    assert "expected NAME=VALUE with NAME one of" in capsys.readouterr().err
