@@ -91,6 +91,9 @@ class QCacheLM(HFLM):
         if cache not in CACHE_KINDS:
             raise ValueError(f"cache={cache!r} is not supported; allowed values: {list(CACHE_KINDS)}")
         bits, options = parse_cache_options(options)
+        if "bits_per_value" in options:
+            raise ValueError(f"bits_per_value={options['bits_per_value']} is chosen by calibrating: run python -m "
+                             "qcache.calibrate --bits-per-value B --out FILE first; allowed here: calibration=FILE")
         build_cache(cache, self.model.config, bits, **dict(options))
         self.cache_kind, self.cache_bits, self.cache_options = cache, bits, options
         logger.info("KV cache: %s", self.cache_label)

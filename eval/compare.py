@@ -136,6 +136,9 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     """`calibration=auto`: calibrate the loaded model for this spec's options on the calibration split (text the
     evaluation never reads) and use the file; other options are returned unchanged."""
     if spec.options.get("calibration") != "auto":
+        if "bits_per_value" in spec.options:
+            raise ValueError(f"bits_per_value={spec.options['bits_per_value']} needs calibration=auto (the widths are "
+                             "chosen by calibrating); allowed: calibration=auto,bits_per_value=B")
         return spec.options
     from qcache.calibrate import calibrate_model, save_calibration
     from qcache.config import QuantCacheConfig
@@ -143,16 +146,20 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     from .options import parse_cache_options
 
     bits, options = parse_cache_options({k: v for k, v in spec.options.items() if k != "calibration"})
+    budget = options.pop("bits_per_value", None)
     config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
+    if budget is not None:  # per-layer widths within `budget` bits/value at the model's full context
+        budget = {"budget": budget, "samples": 1, "seq_len": 2048,
+                  "context": int(model.config.get_text_config(decoder=True).max_position_embeddings)}
     from qcache.models import default_cache_dir
 
     name = Path(model.config.name_or_path or "model").name
     path = default_cache_dir() / "calibration" / f"{name}-{spec.label}.qcache.safetensors".replace("/", "_")
     start = time.perf_counter()
     log.info("%s: calibrating %s on the calibration split first (progress below)", spec.label, name)
-    save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True))
+    save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True, budget=budget))
     log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
-    return {**spec.options, "calibration": str(path)}
+    return {**{k: v for k, v in spec.options.items() if k != "bits_per_value"}, "calibration": str(path)}
 
 
 def _use(lm, spec: CacheSpec) -> str | None:

@@ -129,3 +129,30 @@ def test_cli_refuses_options_that_refuse_the_files_codebooks(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "colour=blue"])
     assert "expected NAME=VALUE with NAME one of" in capsys.readouterr().err
+
+
+# --- evaluation specs ----------------------------------------------------------------------------------------------
+
+def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
+    from eval import compare
+    from eval.compare import CacheSpec
+    from eval.options import parse_cache_options
+
+    spec = CacheSpec.parse("quant::calibration=auto,bits_per_value=3.5,rotation=hadamard,codebooks=false")
+    assert spec.label == "quant-3.5bpv(calibration=auto,codebooks=false,rotation=hadamard)"
+    assert parse_cache_options(spec.options)[1]["bits_per_value"] == 3.5
+    with pytest.raises(ValueError, match=r"bits_per_value='x' must be a number"):
+        parse_cache_options({"bits_per_value": "x"})
+    with pytest.raises(ValueError, match=r"bits_per_value=3.5 needs calibration=auto"):
+        compare.auto_calibration(None, None, CacheSpec.parse("quant::bits_per_value=3.5"))
+    seen = {}
+
+    def fake_calibrate(model, tokenizer, config, name, progress=True, budget=None):
+        seen.update(config=config, budget=budget)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("qcache.calibrate.calibrate_model", fake_calibrate)
+    with pytest.raises(RuntimeError, match="stop here"):
+        compare.auto_calibration(make_model("llama"), None, spec)
+    assert seen["budget"] == {"budget": 3.5, "samples": 1, "seq_len": 2048, "context": 1024}
+    assert seen["config"].rotation == "hadamard" and not seen["config"].codebooks
