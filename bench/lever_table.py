@@ -1,0 +1,105 @@
+"""Lever tables: fidelity runs (`python -m eval.fidelity ... --out X`) rendered as one table per run, each row
+saying which levers it turns on, against the targets of quality per bit.
+
+    python bench/lever_table.py docs/results/levers3-smollm2-135m.json docs/results/levers3-gemma3-270m.json \
+        --out docs/results/quality-per-bit.md
+
+Rows of different runs (commits, documents, machines) are never put in one table: each run keeps its own section
+with its command and commit. Columns: keys/values code bits, the levers (rotation and which streams, key levels,
+value scale, key block, recent window, sliding layers, per-layer budget), bits/value held, KL (95 % interval), top-1,
+Δ PPL (95 % interval), and which target row (bits/value held ≤ 4.5 / 3.5 / 2.6) it meets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# (bits/value held at most, KL at most or None, Δ PPL % at most, calibration allowed)
+TARGETS = ((4.5, 0.005, 0.3, True), (3.5, 0.02, 1.5, False), (2.6, None, 8.0, True))
+
+
+def _levers(spec: dict) -> dict:
+    """What a row turns on, from its cache spec (defaults spelled out)."""
+    o = dict(spec.get("options") or {})
+    bits = spec.get("bits")
+    kb = int(o.get("k_bits", bits if bits is not None else 4))
+    vb = int(o.get("v_bits", bits if bits is not None else 4))
+    rot = o.get("rotation", "none")
+    return {
+        "kv": f"K{kb}V{vb}" if "bits_per_value" not in o else f"plan ≤ {o['bits_per_value']}",
+        "rotation": "-" if rot == "none" else f"{rot} ({o.get('rotate', 'kv')})",
+        "key levels": o.get("levels", "uniform"),
+        "value scale": o.get("v_scale", "minmax"),
+        "key block": str(o.get("k_group_size", 64)),
+        "recent": str(o.get("recent_tokens", 128)),
+        "sliding": o.get("sliding_layers", "native"),
+        "calibrated": "yes" if o.get("calibration") else "no",
+    }
+
+
+def _meets(row: dict, calibrated: bool) -> str:
+    met = []
+    for bpv, kl, dppl, calib_ok in TARGETS:
+        if row["bits_per_value"] > bpv or (calibrated and not calib_ok):
+            continue
+        if (kl is None or row["kl"] <= kl) and row["delta_ppl_pct"] <= dppl:
+            met.append(f"≤ {bpv}")
+    return ", ".join(met) or "-"
+
+
+def render(path: Path) -> str:
+    run = json.loads(path.read_text())
+    git = run["git"]
+    lines = [f"## {run['model']} at {run['settings']['context']} tokens ({path.name})", "",
+             f"Command: `{run['command']}`", "",
+             f"git {git['commit'][:10]} ({'uncommitted changes' if git['dirty'] else 'clean tree'}); "
+             f"{run['settings']['docs']} document(s), {run['settings']['scored_per_doc']} predictions scored per "
+             f"document and cache; started {run['started']}.", ""]
+    head = ["K/V bits", "rotation", "key levels", "value scale", "key block", "recent", "sliding", "calibrated",
+            "bits/value held", "KL [95 %]", "top-1 %", "Δ PPL % [95 %]", "meets"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 8 + "---:|" * 4 + "---|"]
+    for row in run["fidelity"]:
+        if row.get("refused"):
+            continue
+        if row["spec"]["kind"] == "default":
+            lines.append("| default | | | | | | | | " + f"{row['bits_per_value']:.2f} | 0 | 100 | PPL "
+                         f"{run['reference_ppl']:.3f} | |")
+            continue
+        lv = _levers(row["spec"])
+        ci = row.get("ci95", {})
+        kl_ci = ci.get("kl", [float("nan")] * 2)
+        d_ci = ci.get("delta_ppl_pct", [float("nan")] * 2)
+        cells = list(lv.values()) + [
+            f"{row['bits_per_value']:.2f}", f"{row['kl']:.4f} [{kl_ci[0]:.4f}, {kl_ci[1]:.4f}]",
+            f"{100 * row['top1']:.1f}", f"{row['delta_ppl_pct']:+.2f} [{d_ci[0]:+.2f}, {d_ci[1]:+.2f}]",
+            _meets(row, lv["calibrated"] == "yes")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="fidelity JSON files (eval.fidelity --out X writes X.json)")
+    p.add_argument("--out", type=Path, help="markdown file to write (default: print)")
+    args = p.parse_args(argv)
+    for path in args.runs:
+        if not path.is_file():
+            p.error(f"{str(path)!r} does not exist")
+    targets = "; ".join(f"≤ {b} bits/value: " + (f"KL ≤ {k}, " if k is not None else "") + f"Δ PPL ≤ +{d} %"
+                        + ("" if c else " (no calibration file)") for b, k, d, c in TARGETS)
+    text = ("# Quality per bit: the levers, one table per run\n\n"
+            f"Made by `python bench/lever_table.py {' '.join(str(r) for r in args.runs)}`. Targets: {targets}. "
+            "'meets' names the target rows a cache meets on this run (one run's documents; the intervals say how "
+            "sure).\n\n" + "\n".join(render(path) for path in args.runs))
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
