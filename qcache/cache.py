@@ -217,9 +217,14 @@ class QuantLayer(CacheLayerMixin):
             for stream in self.cfg.rotate:  # "k" and/or "v"
                 self.consts[stream]["rotation"] = self._rotation.on(self.device)
         self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
-        full = [Part(name, axis, (D,), self.dtype, "full_precision")
-                for name, axis in (("sink_k", "sink"), ("sink_v", "sink"), ("res_k", "residual"),
-                                   ("res_v", "residual"))]
+        full = [Part(name, "sink", (D,), self.dtype, "full_precision") for name in ("sink_k", "sink_v")]
+        if self.cfg.window_bits == 8:  # the window 8-bit per token (min-max, one scale/zero per token and head)
+            self.window_codecs = tuple(ValueCodec(bits=8, group=D, scale_dtype=_SCALE_DTYPES[self.cfg.scale_dtype],
+                                                  prefix=prefix, axis="residual") for prefix in ("wk_", "wv_"))
+            full += [part for codec in self.window_codecs for part in codec.parts(D, self.dtype)]
+        else:
+            self.window_codecs = None
+            full += [Part(name, "residual", (D,), self.dtype, "full_precision") for name in ("res_k", "res_v")]
         G = self.k_codec.group
         self.store = PackedStore(self.k_codec.parts(D, self.dtype) + self.v_codec.parts(D, self.dtype) + full, B, H,
                                  self.device, min_grow={"token": max(G, 16), "block": 1,
@@ -296,7 +301,7 @@ class QuantLayer(CacheLayerMixin):
         if s.length("token") + s.length("residual") == 0:
             n_sink = max(min(self.sink_tokens - s.length("sink"), T), 0)
         s.append("sink", sink_k=key_states[:, :, :n_sink], sink_v=value_states[:, :, :n_sink])
-        s.append("residual", res_k=key_states[:, :, n_sink:], res_v=value_states[:, :, n_sink:])
+        self._append_window(key_states[:, :, n_sink:], value_states[:, :, n_sink:])
         self._flush()
 
         if T == 1 and self.fused_attention and self._decode_fusable():
@@ -307,6 +312,23 @@ class QuantLayer(CacheLayerMixin):
             self._evict()
         return keys, values
 
+    def _append_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append tokens (cache dtype, keys after RoPE) to the residual window, 8-bit with `window_bits=8`."""
+        if self.window_codecs is None:
+            self.store.append("residual", res_k=k, res_v=v)
+            return
+        ck, cv = self.window_codecs
+        self.store.append("residual", **ck.encode(k.float(), {}), **cv.encode(v.float(), {}))
+
+    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual window's keys (after RoPE) and values [B, H, R, D] in the cache dtype."""
+        s = self.store
+        if self.window_codecs is None:
+            return s.view("res_k"), s.view("res_v")
+        views = s.views("residual")
+        return tuple(torch.cat(c.planes({n: t for n, t in views.items() if n.startswith(c.prefix)}, {}),
+                               dim=-1).to(self.dtype) for c in self.window_codecs)
+
     def _flush(self) -> None:
         """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` in full precision."""
         s = self.store
@@ -314,7 +336,7 @@ class QuantLayer(CacheLayerMixin):
         n = (s.length("residual") - self.cfg.recent_tokens) // G * G
         if n <= 0:
             return
-        k, v = s.view("res_k")[:, :, :n], s.view("res_v")[:, :, :n]  # [B, H, n, D]
+        k, v = (t[:, :, :n] for t in self._window())  # [B, H, n, D]
         # positions of these tokens: they follow the sinks and the quantized region of their row
         start = s.length("sink") + self.dropped + s.length("token")
         p = self.first[:, None] + start + torch.arange(n, device=self.device)  # [B, n]
@@ -351,7 +373,8 @@ class QuantLayer(CacheLayerMixin):
         """Keys (RoPE applied) and values as the cache holds them, in the cache dtype: [sinks | dequantized |
         residual], [B, H, T_stored, D]."""
         s = self.store
-        sink_k, sink_v, res_k, res_v = (s.view(n) for n in ("sink_k", "sink_v", "res_k", "res_v"))
+        sink_k, sink_v = s.view("sink_k"), s.view("sink_v")
+        res_k, res_v = self._window()
         if s.length("token") == 0:
             return torch.cat([sink_k, res_k], dim=2), torch.cat([sink_v, res_v], dim=2)
         q = self._quantized()
@@ -379,8 +402,9 @@ class QuantLayer(CacheLayerMixin):
         attends over sinks, quantized region and residual with `decode_attention`, or calls `read()`. If the tag is
         lost on the way, the next update of this layer raises (the step attended over less than the cache holds)."""
         s = self.store
-        keys = torch.cat([s.view("sink_k"), s.view("res_k")], dim=2)
-        values = torch.cat([s.view("sink_v"), s.view("res_v")], dim=2)
+        res_k, res_v = self._window()
+        keys = torch.cat([s.view("sink_k"), res_k], dim=2)
+        values = torch.cat([s.view("sink_v"), res_v], dim=2)
         keys._qcache_layer = values._qcache_layer = self
         self._pending_fused = True
         return keys, values
@@ -487,7 +511,7 @@ class QuantLayer(CacheLayerMixin):
                 S = s.length("sink")
                 back_k, back_v = keys[:, :, S + full:S + kept], values[:, :, S + full:S + kept]
                 s.crop("residual", 0)
-                s.append("residual", res_k=back_k, res_v=back_v)
+                self._append_window(back_k, back_v)
             s.crop("token", full)
             if s.names("block"):
                 s.crop("block", full // G)

@@ -61,6 +61,7 @@ class _GroupCodec:
     codebook: bool = False
     rotation: bool = False
     prefix: str = ""
+    axis: str = "token"  # the store axis of the per-token parts (ValueCodec: "residual" for an 8-bit window)
 
     def _name(self, part: str) -> str:
         return self.prefix + part
@@ -202,18 +203,19 @@ class ValueCodec(_GroupCodec):
 
     def parts(self, head_dim: int, dtype: torch.dtype) -> list[Part]:
         ng = head_dim // self.group
+        ax = self.axis
         if self.norm:
             if self.group != head_dim:
                 raise ValueError(f"ValueCodec(norm=True) scales whole heads: group must equal head_dim={head_dim}, "
                                  f"got {self.group}")
-            return [Part(self._name("codes"), "token", (head_dim * self.bits // 8,), torch.uint8, "packed"),
-                    Part(self._name("scale"), "token", (1,), self.scale_dtype, "scales")]
-        parts = [Part(self._name("codes"), "token", (head_dim * self.bits // 8,), torch.uint8, "packed"),
-                 Part(self._name("scale"), "token", (ng,), self.scale_dtype, "scales"),
-                 Part(self._name("zero"), "token", (ng,), self.scale_dtype, "scales")]
+            return [Part(self._name("codes"), ax, (head_dim * self.bits // 8,), torch.uint8, "packed"),
+                    Part(self._name("scale"), ax, (1,), self.scale_dtype, "scales")]
+        parts = [Part(self._name("codes"), ax, (head_dim * self.bits // 8,), torch.uint8, "packed"),
+                 Part(self._name("scale"), ax, (ng,), self.scale_dtype, "scales"),
+                 Part(self._name("zero"), ax, (ng,), self.scale_dtype, "scales")]
         if self.outliers:
-            parts += [Part(self._name("out_idx"), "token", (ng, self.outliers), torch.uint8, "outliers"),
-                      Part(self._name("out_val"), "token", (ng, self.outliers), dtype, "outliers")]
+            parts += [Part(self._name("out_idx"), ax, (ng, self.outliers), torch.uint8, "outliers"),
+                      Part(self._name("out_val"), ax, (ng, self.outliers), dtype, "outliers")]
         return parts
 
     def bits_per_value(self, head_dim: int, fp_bytes: int = 2) -> float:

@@ -18,9 +18,10 @@ ROTATIONS = ("none", "hadamard")  # qcache/rotation.py
 LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
 ROTATE = ("kv", "k", "v")  # which of keys and values a rotation applies to
 V_SCALES = ("minmax", "norm")  # qcache/codec.py ValueCodec
+WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
 
 __all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS",
-           "LEVELS", "ROTATE", "V_SCALES"]
+           "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -81,6 +82,11 @@ class QuantCacheConfig:
             min-max normalized Gaussian groups of the codec's group size (qcache/levels.py); best with
             rotation="hadamard". Not combinable with a calibration file's codebooks (pass codebooks=False) or
             static_keys.
+        window_bits: how the residual (the recent window and the block being filled) is held: 16 (default) as
+            attention gave it, in the cache dtype; 8: each key (after RoPE) and value token 8-bit, with a scale and a
+            zero per token and head (`scale_dtype`): half the bytes of the window, which at 8k tokens is several
+            tenths of a bit per value; its tokens are quantized again to `k_bits`/`v_bits` when their block flushes.
+            Sinks stay in the cache dtype.
         layer_bits: per-layer widths: one (k_bits, v_bits) pair per layer of the model (every layer, sliding ones
             included; a layer kept native ignores its pair), instead of `k_bits`/`v_bits` for all. The number of
             pairs must equal the model's layers (checked when the cache binds to a model). `python -m qcache.calibrate
@@ -118,6 +124,7 @@ class QuantCacheConfig:
     levels: str = "uniform"
     rotate: str = "kv"
     v_scale: str = "minmax"
+    window_bits: int = 16
     layer_bits: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
@@ -168,6 +175,7 @@ class QuantCacheConfig:
         _check_choice("rotation", self.rotation, ROTATIONS)
         _check_nonneg_int("rotation_seed", self.rotation_seed)
         _check_choice("levels", self.levels, LEVELS)
+        _check_choice("window_bits", self.window_bits, WINDOW_BITS)
         _check_choice("rotate", self.rotate, ROTATE)
         if self.rotate != "kv" and self.rotation == "none":
             raise ValueError(f"rotate={self.rotate!r} needs a rotation; allowed with rotation='none': rotate='kv' (the "
@@ -250,6 +258,15 @@ class QuantCacheConfig:
         block = 1 if self.static_keys else self.k_group_size
         return num_tokens - rest // block * block
 
+    def _fp_bytes(self, num_tokens: int, head_dim: int, fp_bytes: int) -> float:
+        """Bytes per head of the sinks and the residual (K and V) at the end of `num_tokens` tokens."""
+        fp = self.full_precision_tokens(num_tokens)
+        if self.window_bits == 16:
+            return fp * head_dim * 2 * fp_bytes
+        sinks = min(self.sink_tokens, num_tokens)
+        per_token = head_dim + 2 * SCALE_DTYPES[self.scale_dtype]  # 8-bit codes + scale and zero
+        return sinks * head_dim * 2 * fp_bytes + (fp - sinks) * per_token * 2
+
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
                         fp_bytes: int = 2) -> float:
         """Expected bytes held per token (one batch row), averaged over `num_tokens`, all layers: packed data +
@@ -274,7 +291,7 @@ class QuantCacheConfig:
             # group per token
             + self.outliers * (q // self.k_group_size * head_dim + q * (head_dim // self.value_group_size(head_dim)))
             * (fp_bytes + 1)
-            + fp * head_dim * 2 * fp_bytes  # full-precision K and V
+            + self._fp_bytes(num_tokens, head_dim, fp_bytes)  # sinks and the residual window, K and V
         )
         positions = 8  # int64 position of the row's first token (per batch row, per layer)
         return num_layers * (num_kv_heads * per_head + positions) / num_tokens

@@ -1,0 +1,110 @@
+"""window_bits=8: the residual window (recent tokens and the block being filled) held 8-bit per token. It reads back
+within 8-bit error, costs what `bytes_per_token` says, and works with crop, beam search, the compiled read and the
+fused decode."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import make_model
+from qcache import QuantCache, QuantCacheConfig
+from qcache.attention import fp32_sdpa_attention_forward
+from qcache.footprint import reachable_bytes
+from test_cache import assert_greedy_agrees, generate, logits, prompt
+
+OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+
+
+def test_bad_window_bits_raise():
+    with pytest.raises(ValueError, match=r"window_bits=4 is not supported; allowed values: \[16, 8\]"):
+        QuantCacheConfig(window_bits=4)
+
+
+def test_window_reads_back_within_8bit_error_and_sinks_stay_exact():
+    config = make_model("llama").config
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)
+    cache = QuantCache(config, bits=4, window_bits=8, **OPTS)
+    cache.update(k, v, 0, kwargs={"position_ids": torch.arange(30)[None]})
+    layer = cache.layers[0]
+    S, Tq = layer.store.length("sink"), layer.quantized_length
+    rk, rv = layer.read()
+    assert torch.equal(rk[:, :, :S], k[:, :, :S])  # sinks: as given
+    w = slice(S + Tq, 30)  # the window: 8-bit, error at most half a step of each token's range
+    for got, want in ((rk, k), (rv, v)):
+        step = (want[:, :, w].amax(-1, keepdim=True) - want[:, :, w].amin(-1, keepdim=True)) / 255
+        assert bool(((got[:, :, w] - want[:, :, w]).abs() <= step * 0.5 + 1e-3).all())
+        assert not torch.equal(got[:, :, w], want[:, :, w])
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_window_bytes_are_counted(bits):
+    model = make_model("llama")
+    cache = QuantCache(bits=bits, window_bits=8, **OPTS)
+    logits(model, prompt(150), cache)
+    mem = cache.memory()
+    heads, head_dim, layers = 2, 32, 2
+    expected = QuantCacheConfig(bits=bits, window_bits=8, **OPTS).bytes_per_token(layers, heads, head_dim, 150,
+                                                                                  fp_bytes=4) * 150
+    assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
+    assert mem.total == reachable_bytes(cache)
+    plain = QuantCache(bits=bits, **OPTS)
+    logits(model, prompt(150), plain)
+    assert mem.total < plain.memory().total
+
+
+def test_8bit_window_forward_generate_crop_and_beams():
+    model = make_model("llama")
+    ids = prompt(90)
+    ref = logits(model, ids, DynamicCache(config=model.config))
+    out = logits(model, ids, QuantCache(bits=8, window_bits=8, **OPTS))
+    assert (out - ref).abs().max() <= 0.05 * ref.std()
+    seq = generate(model, prompt(60), QuantCache(bits=8, window_bits=8, **OPTS), max_new_tokens=10)
+    assert_greedy_agrees(model, seq, 60)
+    for remove in (3, 20):  # into the window, and through a quantized block
+        cache = QuantCache(bits=8, window_bits=8, **OPTS)
+        logits(model, ids[:, :62], cache)
+        cache.crop(-remove)
+        kept = 62 - remove
+        out = logits(model, ids[:, kept:kept + 1], cache)
+        ref = logits(model, ids[:, :kept + 1], DynamicCache(config=model.config))[:, -1:]
+        assert (out - ref).abs().max() <= 0.05 * ref.std()
+    # beam search's reorder moves the window's codes with the rest: reading after a reorder is reordering the read
+    cache = QuantCache(bits=4, window_bits=8, **OPTS)
+    logits(model, prompt(40, batch=2), cache)
+    before = [t.clone() for t in cache.layers[0].read()]
+    cache.reorder_cache(torch.tensor([1, 0, 1]))
+    after = cache.layers[0].read()
+    for b, a in zip(before, after):
+        assert torch.equal(a, b[[1, 0, 1]])
+
+
+def _feed(cache, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    outs, pos = [], 0
+    for n in [70] + [1] * steps:
+        k, v = (torch.randn(1, 2, n, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+        outs.append(cache.update(k, v, 0, kwargs={"position_ids": torch.arange(pos, pos + n)[None]}))
+        pos += n
+    return outs
+
+
+def test_compiled_read_and_fused_decode_with_an_8bit_window():
+    config = make_model("llama").config
+    opts = dict(bits=3, window_bits=8, **OPTS)
+    eager, fused = QuantCache(config, kernel="eager", **opts), QuantCache(config, kernel="compiled", **opts)
+    for (ke, ve), (kf, vf) in zip(_feed(eager, 3), _feed(fused, 3)):
+        torch.testing.assert_close(kf, ke, rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(vf, ve, rtol=2**-7, atol=1e-3)
+    layer = fused.layers[0]
+    layer.fused_attention = True
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    keys, values = layer.update(k, v, kwargs={"position_ids": torch.tensor([[73]])})
+    assert keys._qcache_layer is layer
+    full_k, full_v = layer.read()
+    query = torch.randn(1, 4, 1, 32, generator=g).to(torch.bfloat16)
+    module = torch.nn.Module()
+    out, _ = fp32_sdpa_attention_forward(module, query, keys, values, None, scaling=0.2)
+    ref, _ = fp32_sdpa_attention_forward(module, query, full_k, full_v, None, scaling=0.2)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2e-3)
