@@ -18,7 +18,7 @@ __all__ = ["CACHE_OPTIONS", "chunk_bounds", "parse_cache_options", "to_bool", "t
 # QuantCacheConfig fields a user may set (`extra` is internal), plus the calibration file
 # (`layer_bits` comes with a calibration file: `calibration=auto,bits_per_value=B` chooses it for a budget)
 CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "layer_bits") + (
-    "calibration", "bits_per_value")
+    "calibration", "bits_per_value", "preset")
 _INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig)
                 if str(f.type).startswith("int") and f.name != "layer_bits"}
 _BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}

@@ -631,6 +631,8 @@ class QuantCache(Cache):
     Args:
         config: the model's config. Optional: when omitted, the cache takes it from the attention module that
             first calls `update` (so `QuantCache(bits=4)` works as written in `generate`).
+        preset: a named setting of `qcache.presets.PRESETS` ("k4v4", "k4v3", "k3v3", "k3v2", "k2v2"); keyword
+            options given beside it override its values.
         bits / k_bits / v_bits / ...: any `QuantCacheConfig` field, or `options=QuantCacheConfig(...)`.
 
     Example:
@@ -640,8 +642,15 @@ class QuantCache(Cache):
     """
 
     def __init__(self, config=None, *, options: QuantCacheConfig | None = None,
-                 calibration: "str | CalibrationData | None" = None, **kwargs):
+                 calibration: "str | CalibrationData | None" = None, preset: str | None = None, **kwargs):
         check_transformers()  # an older release would hand the model's own DynamicCache the tokens, silently
+        if preset is not None:  # qcache/presets.py: named settings; keyword options override them
+            if options is not None or calibration is not None:
+                raise ValueError(f"preset={preset!r} sets the options itself; allowed with it: keyword options, not "
+                                 "options= or calibration=")
+            from .presets import preset_options
+
+            kwargs = preset_options(preset, **{k: v for k, v in kwargs.items() if v is not None})
         if options is not None and kwargs:
             raise ValueError(f"pass either options= or keyword options, not both (got {sorted(kwargs)})")
         if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):

@@ -79,7 +79,10 @@ def cache_label(kind: str, bits: int | None = None, **options) -> str:
     """
     if kind == "default":
         return "default"
-    if kind == "quant" and bits is None and "bits_per_value" in options:  # per-layer widths within a budget
+    if kind == "quant" and bits is None and "preset" in options:  # a named setting (qcache/presets.py)
+        options = dict(options)
+        label = f"quant-{options.pop('preset')}"
+    elif kind == "quant" and bits is None and "bits_per_value" in options:  # per-layer widths within a budget
         options = dict(options)
         label = f"quant-{options.pop('bits_per_value')}bpv"
     elif kind == "quant" and bits is None:

@@ -1,0 +1,47 @@
+"""Named settings per budget, each the best that the fidelity runner measured for its size on both test models.
+
+    QuantCache(preset="k3v3")                 # 3-bit keys and values: ~3.5 bits/value held at 8k tokens
+    QuantCache(preset="k3v2", recent_tokens=128)   # a preset, one option changed
+
+Every preset rotates values (`rotation="hadamard"`, `rotate="v"`: head_dim must be a power of two), scales each
+value token by one least-squares number with Gaussian Lloyd-Max levels (`v_scale="norm"`), keeps keys per channel
+in blocks of 128 tokens with uniform levels, unrotated, and holds the residual window 8-bit (`window_bits=8`). Why
+these (docs/results, one document each, KL against the default cache over the second half of the context):
+
+- value rotation with `v_scale="norm"`: on SmolLM2-135M at 8192 tokens, 3-bit KL 0.0285 -> 0.0209 at 0.12 fewer
+  bits/value (`levers2-smollm2-135m.md`, with keys rotated too); on Gemma-3-270M at 32768 tokens 0.0071 -> 0.0060
+  (`levers2-gemma3-270m.md`).
+- keys unrotated: rotating keys costs Gemma-3 five times its KL (3-bit 0.0071 -> 0.035, keys rotated alone); on
+  SmolLM2 the 3-bit cache with keys unrotated measures KL 0.0133 against 0.0134 rotated (`window-smollm2-135m.md`).
+- 128-token key blocks and the window they leave in full precision: SmolLM2 3-bit KL 0.021 -> 0.013
+  (`levers2-smollm2-135m.md`); without a recent window KL triples (`levers3-smollm2-135m.md`).
+- `window_bits=8`: the same quality at 0.24 fewer bits/value at 8k tokens (3-bit 3.72 -> 3.48, KL 0.0132 ->
+  0.0134: `levers2-smollm2-135m.md` vs `window-smollm2-135m.md`).
+- "k3v2" keeps 256 recent tokens: 3-bit keys with 2-bit values at KL 0.018 (3.08 bits/value) where 128 give 0.027.
+
+What each measures: `presets-smollm2-135m.md` and `presets-gemma3-270m.md` (made with these exact options).
+"""
+
+from __future__ import annotations
+
+__all__ = ["PRESETS", "preset_options"]
+
+_COMMON = {"rotation": "hadamard", "rotate": "v", "v_scale": "norm", "k_group_size": 128, "window_bits": 8}
+
+PRESETS: dict[str, dict] = {
+    "k4v4": {"k_bits": 4, "v_bits": 4, **_COMMON},
+    "k4v3": {"k_bits": 4, "v_bits": 3, **_COMMON},
+    "k3v3": {"k_bits": 3, "v_bits": 3, **_COMMON},
+    "k3v2": {"k_bits": 3, "v_bits": 2, **_COMMON, "recent_tokens": 256},
+    "k2v2": {"k_bits": 2, "v_bits": 2, **_COMMON},
+}
+
+
+def preset_options(name: str, **overrides) -> dict:
+    """The options of preset `name`, updated with `overrides` (`bits=` replaces the preset's widths)."""
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not a preset; allowed values: {list(PRESETS)}")
+    options = dict(PRESETS[name])
+    if overrides.get("bits") is not None:
+        options.pop("k_bits"), options.pop("v_bits")
+    return {**options, **overrides}
