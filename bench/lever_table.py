@@ -6,7 +6,7 @@ saying which levers it turns on, against the targets of quality per bit.
 
 Rows of different runs (commits, documents, machines) are never put in one table: each run keeps its own section
 with its command and commit. Columns: keys/values code bits, the levers (rotation and which streams, key levels,
-value scale, key block, recent window, sliding layers, per-layer budget), bits/value held, KL (95 % interval), top-1,
+value scale, key block, recent window, window bits, sliding layers, calibration or a per-layer budget), bits/value held, KL (95 % interval), top-1,
 Δ PPL (95 % interval), and which target row (bits/value held ≤ 4.5 / 3.5 / 2.6) it meets.
 """
 
@@ -23,6 +23,10 @@ TARGETS = ((4.5, 0.005, 0.3, True), (3.5, 0.02, 1.5, False), (2.6, None, 8.0, Tr
 def _levers(spec: dict) -> dict:
     """What a row turns on, from its cache spec (defaults spelled out)."""
     o = dict(spec.get("options") or {})
+    if "preset" in o:  # a named setting: its options, then the spec's own
+        from qcache.presets import preset_options
+
+        o = preset_options(o.pop("preset"), **o)
     bits = spec.get("bits")
     kb = int(o.get("k_bits", bits if bits is not None else 4))
     vb = int(o.get("v_bits", bits if bits is not None else 4))
@@ -30,10 +34,11 @@ def _levers(spec: dict) -> dict:
     return {
         "kv": f"K{kb}V{vb}" if "bits_per_value" not in o else f"plan ≤ {o['bits_per_value']}",
         "rotation": "-" if rot == "none" else f"{rot} ({o.get('rotate', 'kv')})",
-        "key levels": o.get("levels", "uniform"),
+        "levels": o.get("levels", "uniform"),
         "value scale": o.get("v_scale", "minmax"),
         "key block": str(o.get("k_group_size", 64)),
         "recent": str(o.get("recent_tokens", 128)),
+        "window bits": str(o.get("window_bits", 16)),
         "sliding": o.get("sliding_layers", "native"),
         "calibrated": "yes" if o.get("calibration") else "no",
     }
@@ -57,14 +62,15 @@ def render(path: Path) -> str:
              f"git {git['commit'][:10]} ({'uncommitted changes' if git['dirty'] else 'clean tree'}); "
              f"{run['settings']['docs']} document(s), {run['settings']['scored_per_doc']} predictions scored per "
              f"document and cache; started {run['started']}.", ""]
-    head = ["K/V bits", "rotation", "key levels", "value scale", "key block", "recent", "sliding", "calibrated",
+    head = ["K/V bits", "rotation", "levels", "value scale", "key block", "recent", "window bits", "sliding",
+            "calibrated",
             "bits/value held", "KL [95 %]", "top-1 %", "Δ PPL % [95 %]", "meets"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 8 + "---:|" * 4 + "---|"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 9 + "---:|" * 4 + "---|"]
     for row in run["fidelity"]:
         if row.get("refused"):
             continue
         if row["spec"]["kind"] == "default":
-            lines.append("| default | | | | | | | | " + f"{row['bits_per_value']:.2f} | 0 | 100 | PPL "
+            lines.append("| default | | | | | | | | | " + f"{row['bits_per_value']:.2f} | 0 | 100 | PPL "
                          f"{run['reference_ppl']:.3f} | |")
             continue
         lv = _levers(row["spec"])

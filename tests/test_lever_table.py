@@ -32,10 +32,11 @@ def test_levers_and_targets(tmp_path):
     path.write_text(json.dumps(run))
     table = [line for line in lt.render(path).splitlines() if line.startswith("| ")][1:]
     assert table[0].startswith("| default |") and "PPL 12.500" in table[0]
-    assert table[1].startswith("| K3V3 | hadamard (v) | uniform | norm | 64 | 128 | native | no | 3.40 |")
+    assert table[1].startswith("| K3V3 | hadamard (v) | uniform | norm | 64 | 128 | 16 | native | no | 3.40 |")
     assert table[1].endswith("| ≤ 3.5 |")  # KL 0.015 is over the 4.5 row's 0.005
     assert table[2].startswith("| plan ≤ 3.4 |") and table[2].endswith("| - |")
     assert table[3].startswith("| K2V2 | - | uniform | minmax | 128 |") and table[3].endswith("| ≤ 2.6 |")
+    assert lt._levers({"kind": "quant", "bits": None, "options": {"preset": "k3v2"}})["recent"] == "256"
     assert table[4].endswith("| - |")
     out = tmp_path / "t.md"
     assert lt.main([str(path), "--out", str(out)]) == 0 and "git aaaaaaaaaa (clean tree)" in out.read_text()
