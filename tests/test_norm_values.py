@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import make_model
+from kv_checks import compiled_matches_eager, fused_decode_matches_read
 from qcache import QuantCache, QuantCacheConfig
-from qcache.attention import fp32_sdpa_attention_forward
 from qcache.codec import ValueCodec
 from qcache.footprint import reachable_bytes
 from qcache.levels import _gaussian_mse, gaussian_levels, gaussian_levels_tensor
@@ -146,36 +146,9 @@ def test_rotate_one_stream(rotate):
     assert mem.rotation == 32 * 32 * 4 and mem.total == reachable_bytes(cache)
 
 
-def _feed(cache, steps, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    outs, pos = [], 0
-    for n in [70] + [1] * steps:
-        k, v = (torch.randn(1, 2, n, 32, generator=g).to(torch.bfloat16) for _ in range(2))
-        outs.append(cache.update(k, v, 0, kwargs={"position_ids": torch.arange(pos, pos + n)[None]}))
-        pos += n
-    return outs
-
-
 COMPILED = dict(bits=3, rotate="v", **NORM, **OPTS)  # one compile covers the norm codec and one-stream rotation
 
 
 def test_compiled_read_and_fused_decode_with_norm_values():
-    config = make_model("llama").config
-    eager = QuantCache(config, kernel="eager", **COMPILED)
-    fused = QuantCache(config, kernel="compiled", **COMPILED)
-    for (ke, ve), (kf, vf) in zip(_feed(eager, 3), _feed(fused, 3)):
-        torch.testing.assert_close(kf, ke, rtol=2**-7, atol=1e-3)
-        torch.testing.assert_close(vf, ve, rtol=2**-7, atol=1e-3)
-    layer = fused.layers[0]
-    assert layer.kernel == "compiled" and layer.quantized_length > 0
-    layer.fused_attention = True
-    g = torch.Generator().manual_seed(1)
-    k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
-    keys, values = layer.update(k, v, kwargs={"position_ids": torch.tensor([[73]])})
-    assert keys._qcache_layer is layer
-    full_k, full_v = layer.read()
-    query = torch.randn(1, 4, 1, 32, generator=g).to(torch.bfloat16)
-    module = torch.nn.Module()
-    out, _ = fp32_sdpa_attention_forward(module, query, keys, values, None, scaling=0.2)
-    ref, _ = fp32_sdpa_attention_forward(module, query, full_k, full_v, None, scaling=0.2)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2e-3)
+    fused = compiled_matches_eager(make_model("llama").config, **COMPILED)
+    fused_decode_matches_read(fused.layers[0], 73)

@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 
 from conftest import COMMON, make_model
+from kv_checks import compiled_matches_eager, fused_decode_matches_read
 from qcache import QuantCache, QuantCacheConfig
-from qcache.attention import fp32_sdpa_attention_forward
 from qcache.calibfile import CalibrationData, load_calibration, save_calibration
 from qcache.cache import model_fingerprint
 from qcache.footprint import reachable_bytes
@@ -124,49 +124,16 @@ def test_2bit_rotation_reads_outlier_states_closer(rope):
     assert errs["hadamard"][1] < 0.6 * errs["none"][1], errs
 
 
-def _feed(cache, steps, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    outs, pos = [], 0
-    for n in [70] + [1] * steps:
-        k, v = (torch.randn(1, 2, n, 32, generator=g).to(torch.bfloat16) for _ in range(2))
-        outs.append(cache.update(k, v, 0, kwargs={"position_ids": torch.arange(pos, pos + n)[None]}))
-        pos += n
-    return outs
-
-
 # one compiled configuration covers rotation with outliers and lloyd-max levels (each compile costs seconds)
 COMPILED = dict(bits=2, outliers=1, levels="lloyd-max", **ROT, **OPTS)
 
 
-def test_compiled_read_equals_eager_with_rotation():
-    config = make_model("llama").config
-    eager = QuantCache(config, kernel="eager", **COMPILED)
-    fused = QuantCache(config, kernel="compiled", **COMPILED)
-    for (ke, ve), (kf, vf) in zip(_feed(eager, 3), _feed(fused, 3)):
-        # fp32 in both; the matmul by R^T and fused multiply-adds may round differently before the bf16 cast
-        torch.testing.assert_close(kf, ke, rtol=2**-7, atol=1e-3)
-        torch.testing.assert_close(vf, ve, rtol=2**-7, atol=1e-3)
-    assert fused.layers[0].kernel == "compiled" and fused.layers[0].quantized_length > 0
-
-
-def test_fused_decode_with_rotation_equals_attention_over_the_read():
-    """The fused decode un-rotates the weighted sum of values once ((P V R) R^T): the same output as qcache_fp32
-    attention over the un-rotated keys/values `read()` returns (within bf16 rounding)."""
-    config = make_model("llama").config
-    cache = QuantCache(config, kernel="compiled", **COMPILED)
-    _feed(cache, 5)
-    layer = cache.layers[0]
-    layer.fused_attention = True
-    g = torch.Generator().manual_seed(1)
-    k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
-    keys, values = layer.update(k, v, kwargs={"position_ids": torch.tensor([[75]])})
-    assert keys._qcache_layer is layer
-    full_k, full_v = layer.read()
-    query = torch.randn(1, 4, 1, 32, generator=g).to(torch.bfloat16)
-    module = torch.nn.Module()
-    fused, _ = fp32_sdpa_attention_forward(module, query, keys, values, None, scaling=0.2)
-    ref, _ = fp32_sdpa_attention_forward(module, query, full_k, full_v, None, scaling=0.2)
-    torch.testing.assert_close(fused.float(), ref.float(), rtol=2**-7, atol=2e-3)
+def test_compiled_read_and_fused_decode_with_rotation():
+    """The compiled read equals the eager one (the matmul by R^T and fused multiply-adds may round differently
+    before the bf16 cast); the fused decode un-rotates the weighted sum of values once ((P V R) R^T): the same output
+    as qcache_fp32 attention over the un-rotated keys/values `read()` returns."""
+    fused = compiled_matches_eager(make_model("llama").config, **COMPILED)
+    fused_decode_matches_read(fused.layers[0], 73)
 
 
 # --- what the cache holds ------------------------------------------------------------------------------------------
