@@ -20,6 +20,9 @@ def test_every_preset_builds_and_generates(name):
 
 
 def test_overrides_and_refusals():
+    assert preset_options("k3v2", bits=4) == {**{k: v for k, v in PRESETS["k3v2"].items() if k not in ("k_bits",
+                                                                                                       "v_bits")},
+                                              "bits": 4}
     opts = QuantCache(preset="k3v2", bits=4).options
     assert (opts.k_bits, opts.v_bits, opts.recent_tokens) == (4, 4, 256)
     assert QuantCache(preset="k4v4", window_bits=16).options.window_bits == 16
