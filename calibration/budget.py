@@ -88,14 +88,11 @@ def measure_sensitivities(model, input_ids: torch.Tensor, options: QuantCacheCon
 
 def plan_bits_per_value(options: QuantCacheConfig, pairs, quantized: list[int], kv_heads: int, head_dim: int,
                         context: int) -> float:
-    """Bits per value a plan holds at `context` tokens, over the quantized layers (`bytes_per_token`: codes, scales,
-    full-precision tokens and positions)."""
-    total = 0.0
-    for layer in quantized:
-        kb, vb = pairs[layer]
-        cfg = dataclasses.replace(options, bits=None, layer_bits=None, k_bits=kb, v_bits=vb)
-        total += cfg.bytes_per_token(1, kv_heads, head_dim, context)
-    return total * 8 / (len(quantized) * kv_heads * head_dim * 2)
+    """Bits per value a plan holds at `context` tokens, over the quantized layers (`bytes_per_token` of their
+    `layer_bits`: codes, scales, full-precision tokens and positions)."""
+    plan = dataclasses.replace(options, bits=None, layer_bits=tuple(tuple(pairs[layer]) for layer in quantized))
+    return plan.bytes_per_token(len(quantized), kv_heads, head_dim, context) * 8 / (len(quantized) * kv_heads
+                                                                                   * head_dim * 2)
 
 
 def allocate(sensitivities: dict[tuple[int, str, int], float], options: QuantCacheConfig, budget: float,
@@ -109,6 +106,11 @@ def allocate(sensitivities: dict[tuple[int, str, int], float], options: QuantCac
     if lowest > budget:
         raise ValueError(f"budget {budget} bits/value is below the narrowest plan ({widths[0]}-bit keys and values: "
                          f"{lowest:.3f} bits/value at {context} tokens); allowed: a budget of at least that")
+    # bits/value is a mean over layers, so widening one layer changes it by that layer's own difference
+    def layer_bits(pair) -> float:
+        return plan_bits_per_value(options, [pair], [0], kv_heads, head_dim, context) / len(quantized)
+
+    total = lowest
     index = {"k": 0, "v": 1}
     while True:
         best, best_gain = None, 0.0
@@ -119,12 +121,12 @@ def allocate(sensitivities: dict[tuple[int, str, int], float], options: QuantCac
                     continue
                 nxt = widths[widths.index(w) + 1]
                 gain = sensitivities[(layer, stream, w)] - sensitivities[(layer, stream, nxt)]
-                trial = [list(p) for p in pairs]
-                trial[layer][i] = nxt
-                if gain > best_gain and plan_bits_per_value(options, trial, quantized, kv_heads, head_dim,
-                                                            context) <= budget:
-                    best, best_gain = (layer, i, nxt), gain
+                wider = list(pairs[layer])
+                wider[i] = nxt
+                cost = layer_bits(wider) - layer_bits(pairs[layer])
+                if gain > best_gain and total + cost <= budget:
+                    best, best_gain = (layer, wider, cost), gain
         if best is None:
             return tuple((int(kb), int(vb)) for kb, vb in pairs)
-        layer, i, nxt = best
-        pairs[layer][i] = nxt
+        layer, pairs[layer], cost = best
+        total += cost

@@ -19,8 +19,7 @@ __all__ = ["CACHE_OPTIONS", "chunk_bounds", "parse_cache_options", "to_bool", "t
 # (`layer_bits` comes with a calibration file: `calibration=auto,bits_per_value=B` chooses it for a budget)
 CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "layer_bits") + (
     "calibration", "bits_per_value", "preset")
-_INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig)
-                if str(f.type).startswith("int") and f.name != "layer_bits"}
+_INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type).startswith("int")}
 _BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 

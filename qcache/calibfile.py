@@ -282,10 +282,9 @@ def load_calibration(source: str | os.PathLike, model=None, revision: str | None
             raise ValueError(f"{where} has an unexpected tensor {name!r}; allowed: layers.<i>.<name> for the "
                              f"calibrated layers {ids}" + (f" and {list(known_global)}" if known_global else ""))
         # with layer_bits each layer's codebooks are sized by its own pair
-        own = options.for_layer(int(parts[1])) if len(parts) == 3 and options.layer_bits is not None else options
-        if own is not options:
-            shapes = {**shapes, **{k: v for k, v in _expected_shapes(fingerprint, own).items() if k.endswith("codebook")}}
-        if (problem := _tensor_problem(name, kind, tensor, shapes[kind], own)) is not None:
+        own = options.for_layer(int(parts[1])) if len(parts) == 3 else options
+        expected = shapes if own is options else _expected_shapes(fingerprint, own)
+        if (problem := _tensor_problem(name, kind, tensor, expected[kind], own)) is not None:
             raise ValueError(f"{where}: {problem}")
     for idx, layer in layers.items():
         missing = [f"layers.{idx}.{n}" for n in REQUIRED_TENSORS if n not in layer]

@@ -80,9 +80,10 @@ class PackedStore:
         heads: kv heads (H).
         device: where the buffers live.
         min_grow: smallest number of entries added when a buffer grows, per axis (default 16).
-        bounded: {axis: steady capacity} of the axes whose length stays bounded (sinks, the residual): after a drop or
-            crop a buffer larger than max(steady capacity, entries used) shrinks to that, so a long prefill chunk
-            leaves no large buffer behind, and appends up to the steady capacity never reallocate.
+        bounded: {axis: steady capacity} of the axes whose length stays bounded (sinks, the residual; default:
+            none): after a drop or crop a buffer larger than max(steady capacity, entries used) shrinks to that, so a
+            long prefill chunk leaves no large buffer behind, and appends up to the steady capacity never reallocate
+            (they move the used entries to the front when that makes room).
     """
 
     def __init__(self, parts: Iterable[Part], batch: int, heads: int, device: torch.device | str = "cpu",
@@ -94,7 +95,7 @@ class PackedStore:
             self.parts[part.name] = part
         self.batch, self.heads, self.device = batch, heads, torch.device(device)
         self.min_grow = {axis: 16 for axis in AXES} | dict(min_grow or {})
-        self.bounded = {"sink": 0, "residual": 0} if bounded is None else dict(bounded)
+        self.bounded = dict(bounded or {})
         unknown = sorted(set(self.bounded) - set(AXES))
         if unknown:
             raise ValueError(f"bounded axes {unknown} are not axes; allowed: {list(AXES)}")
@@ -148,8 +149,9 @@ class PackedStore:
             return
         start, used, cap = self._start[axis], self._length[axis], self._capacity[axis]
         if start + used + n > cap:
-            if used + n <= cap and start > cap // 2:
-                self._reallocate(axis, cap)  # room at the front: compact instead of growing
+            if used + n <= cap and (start > cap // 2 or axis in self.bounded):
+                self._reallocate(axis, cap)  # room at the front: compact instead of growing (a bounded axis keeps
+                # its steady capacity: growing it would only be shrunk back at the next drop)
             else:
                 need = used + n
                 self._reallocate(axis, need + max(need // 64, self.min_grow[axis]))
@@ -166,11 +168,9 @@ class PackedStore:
         used, cap, grow = self._length[axis], self._capacity[axis], self.min_grow[axis]
         # a bounded axis (the residual: it drains back to a few blocks) goes back to its steady capacity; a growing
         # one shrinks only when three quarters of it are unused (no reallocation back and forth)
-        if axis in self.bounded:
+        if axis in self.bounded:  # (its entries move to the front when an append needs the room)
             if cap > max(self.bounded[axis], used):
                 self._reallocate(axis, max(self.bounded[axis], used))
-            elif self._start[axis] > cap // 2:
-                self._reallocate(axis, cap)
             return
         if cap > 4 * max(used, grow):
             self._reallocate(axis, used + max(used // 64, grow))
