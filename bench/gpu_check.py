@@ -429,8 +429,10 @@ def section_decode(sec: Section, ctx: Context) -> dict:
         out["formula"] = _formula_bytes(model.config, row, L)
         if isinstance(cache, QuantCache):
             mem = cache.memory()
-            # what the formula describes: memory() less preallocated capacity and the RoPE helper's tables
-            out["held_counted"], out["counted_layout"] = mem.total, mem.total - mem.reserved - mem.rope
+            # what the formula describes: memory() less preallocated capacity, the RoPE helper's tables and the
+            # per-cache constants (levels, the rotation matrix)
+            out["held_counted"] = mem.total
+            out["counted_layout"] = mem.total - mem.reserved - mem.rope - mem.codebooks - mem.rotation
         else:
             out["held_counted"] = out["counted_layout"] = reachable_bytes(cache)
         start = time.perf_counter()

@@ -119,9 +119,10 @@ MODEL_DEFAULTS = {
     "gemma3-270m": ModelDefaults(context=32768, docs=2, lengths=(8192, 16384, 32768),
                                  note="Gemma-3-270M's maximum context"),
 }
-DEFAULT_CACHES = ("default", "quant:8", "quant:4", "quant:3", "quant:2", "quant:4:calibration=auto",
-                  "quant:3:calibration=auto", "quant:2:calibration=auto", "hf-quanto:4", "hf-quanto:2", "hf-hqq:4",
-                  "hf-hqq:2", "hf-fp8")
+# the calibrated rows: the calibration file's codebooks, which apply to unrotated keys and values
+DEFAULT_CACHES = ("default", "quant:8", "quant:4", "quant:3", "quant:2", "quant:4:calibration=auto,rotation=none",
+                  "quant:3:calibration=auto,rotation=none", "quant:2:calibration=auto,rotation=none", "hf-quanto:4",
+                  "hf-quanto:2", "hf-hqq:4", "hf-hqq:2", "hf-fp8")
 REFERENCE = "default"
 _HF_RESIDUAL = 128  # Transformers' quantized caches keep this many tokens unquantized, then re-quantize everything
 
@@ -794,10 +795,10 @@ def _parser() -> argparse.ArgumentParser:
         f"{k} {v.docs}" for k, v in MODEL_DEFAULTS.items()) + ")")
     p.add_argument("--caches", nargs="*", type=CacheSpec.parse, default=None, metavar="SPEC",
                    help=f"caches for the fidelity part, KIND[:BITS][:OPTION=VALUE,...]; the default cache is always "
-                        f"measured; none: skip the fidelity part (default: {' '.join(DEFAULT_CACHES)})")
+                        f"measured; given with no SPEC: skip the fidelity part (default: {' '.join(DEFAULT_CACHES)})")
     p.add_argument("--needle-caches", nargs="*", type=CacheSpec.parse, default=None, metavar="SPEC",
                    help="caches for the needles (default: the same as --caches, or the default list when --caches "
-                        "is given empty; none: skip the needles)")
+                        "is given empty; given with no SPEC: skip the needles)")
     p.add_argument("--lengths", nargs="*", type=int, default=None,
                    help="needle context lengths in tokens (default: per model, " + ", ".join(
                        f"{k} {' '.join(map(str, v.lengths))}" for k, v in MODEL_DEFAULTS.items()) + ")")

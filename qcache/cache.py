@@ -667,9 +667,10 @@ class QuantCache(Cache):
             if calibration is not None:  # the file's options, overridden by what the caller passes
                 base = QuantCacheConfig.from_dict(calibration.options).to_dict()
                 if "bits" in given:
-                    base.pop("k_bits"), base.pop("v_bits")
-                given = {**base, **given}
-            options = QuantCacheConfig(**given)
+                    base["k_bits"] = base["v_bits"] = given["bits"]
+                options = QuantCacheConfig.overridden(base, given)
+            else:
+                options = QuantCacheConfig(**given)
         _check_calibration_options(options, calibration is not None)
         if options.static_keys and calibration is None:
             raise ValueError("static_keys=True needs a calibration file (calibration=path); allowed without one: "
@@ -700,7 +701,7 @@ class QuantCache(Cache):
             rope = RopeHelper(text_config, modeling_module=modeling_module, prefix=prefix)
         layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
         self.options.check_layers(len(layer_types))
-        # one rotation matrix for every layer (raises here if head_dim is not a power of two)
+        # one rotation matrix for every layer (raises here if head_dim is not a multiple of 8)
         self._rotation = (SharedRotation(fingerprint["head_dim"], self.options.rotation_seed)
                           if self.options.rotation != "none" else None)
         layers = []
@@ -714,7 +715,7 @@ class QuantCache(Cache):
                 if self.options.sliding_layers == "native":
                     layers.append(SlidingWindowLayer(sliding_window=window))
                 else:
-                    layers.append(QuantLayer(self.options.for_layer(idx), idx, rope, sliding_window=window,
+                    layers.append(QuantLayer(self.options.for_sliding_layer(idx), idx, rope, sliding_window=window,
                                              calibration=calib, rotation=self._rotation))
             else:
                 raise ValueError(

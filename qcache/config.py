@@ -1,6 +1,19 @@
 """QuantCacheConfig: every option of the quantized cache, validated, round-trippable to a dict.
 
-The defaults are the best quality-per-byte we measured; README "Defaults" says which run chose them.
+Defaults: `QuantCacheConfig(bits=N)` for N in 2, 3, 4 is the setting the fidelity runner measured best for its size
+on both test models at their full context (README "Defaults" names the runs): keys per channel in 128-token blocks,
+unrotated, uniform levels; values Hadamard-rotated, one least-squares scale per token and head, Gaussian Lloyd-Max
+levels; the residual window 8-bit. Five options default to None and follow from the others
+(`QuantCacheConfig._resolve_defaults`, order `AUTO_OPTIONS`):
+
+    rotation     "hadamard", or "none" with static_keys=True (static key ranges are unrotated)
+    rotate       "v" with a rotation (rotating keys cost Gemma-3 5x its KL), else "kv"
+    v_scale      "norm" when values are rotated and ungrouped (no outliers, clip_search or v_group_size), else "minmax"
+    codebooks    True when a calibration file's levels apply (no rotation, uniform levels), else False
+    window_bits  8 when every width is at most 4 bits, else 16 (an 8-bit cache is meant to be near-lossless, and an
+                 8-bit window's rounding is the size of its own)
+
+`QuantCacheConfig.overridden` applies options on top of stored ones (a calibration file's) so that these follow.
 """
 
 from __future__ import annotations
@@ -19,6 +32,8 @@ LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
 ROTATE = ("kv", "k", "v")  # which of keys and values a rotation applies to
 V_SCALES = ("minmax", "norm")  # qcache/codec.py ValueCodec
 WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
+# options whose default (None) follows from the others (QuantCacheConfig._resolve_defaults), in resolution order
+AUTO_OPTIONS = ("rotation", "rotate", "v_scale", "codebooks", "window_bits")
 
 __all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS",
            "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
@@ -42,7 +57,7 @@ class QuantCacheConfig:
         bits: sets both `k_bits` and `v_bits` when given.
         k_bits: bits per stored key value (2, 3, 4 or 8).
         v_bits: bits per stored value value (2, 3, 4 or 8).
-        k_group_size: tokens per key block; keys get one scale/zero per channel per block. The block being
+        k_group_size: tokens per key block (default 128); keys get one scale/zero per channel per block. The block being
             filled is kept in full precision until it is full.
         v_group_size: channels per value group; values get one scale/zero per token per group of channels.
             None: the largest multiple of 8 up to 64 that divides head_dim.
@@ -55,7 +70,8 @@ class QuantCacheConfig:
         scale_dtype: dtype of the stored scales and zero-points.
         clip_search: per group, try ranges shrunk to CLIP_RATIOS of [min, max] and keep the one with the least
             squared error (costs time when tokens are quantized, nothing when they are read).
-        codebooks: with a calibration file, use its non-uniform per-layer codebooks (else uniform levels).
+        codebooks: with a calibration file, use its non-uniform per-layer codebooks (else uniform levels). Default:
+            True without a rotation and with uniform levels, else False (the codebooks were fitted unrotated).
         static_keys: with a calibration file, use its static per-channel pre-RoPE key ranges: keys are quantized
             as they arrive (no full-precision block, no per-block key scales).
         outliers: dense-and-sparse quantization: per quantization group (a key channel over a block of
@@ -71,18 +87,23 @@ class QuantCacheConfig:
             "compiled" where torch.compile works on the cache's device (tried once per device type, with one INFO
             log line saying which path runs), else "eager"; the environment variable QCACHE_KERNEL=eager|compiled
             decides for every cache left on "auto".
-        rotation: "none" (default) or "hadamard": each quantized key (pre-RoPE) and value token is multiplied by a
+        rotation: "hadamard" (default; "none" with static_keys) or "none": each quantized key (pre-RoPE) and value
+            token (as `rotate` says) is multiplied by a
             seeded randomized Hadamard matrix over head_dim before it is encoded and by its transpose when read
-            (qcache/rotation.py), spreading outlier channels over all channels. head_dim must be a power of two.
+            (qcache/rotation.py), spreading outlier channels. head_dim must be a multiple of 8 (mixing is within blocks
+            of its largest power-of-two divisor: all channels for a power of two).
             Full-precision tokens are not rotated. Not combinable with static_keys or calibrated codebooks (both
             calibrated in unrotated space).
         rotation_seed: seed of the rotation's ±1 signs (one matrix for every layer of a cache).
-        rotate: what the rotation applies to: "kv" (default) keys and values, "k" keys only, "v" values only.
+        rotate: what the rotation applies to: "kv" keys and values, "k" keys only, "v" values only. Default: "v"
+            with a rotation (keys rotated lose on Gemma-3 and win on SmolLM2 at 2 bits: pass rotate="kv" after
+            measuring your model), "kv" without one (where it means nothing).
         levels: "uniform" (default) or "lloyd-max": data-free non-uniform levels, the Lloyd-Max levels of
             min-max normalized Gaussian groups of the codec's group size (qcache/levels.py); best with
             rotation="hadamard". Not combinable with a calibration file's codebooks (pass codebooks=False) or
             static_keys.
-        window_bits: how the residual (the recent window and the block being filled) is held: 16 (default) as
+        window_bits: how the residual (the recent window and the block being filled) is held (default: 8 when every
+            width is at most 4 bits, else 16): 16 as
             attention gave it, in the cache dtype; 8: each key (after RoPE) and value token 8-bit, with a scale and a
             zero per token and head (`scale_dtype`): half the bytes of the window, which at 8k tokens is several
             tenths of a bit per value; its tokens are quantized again to `k_bits`/`v_bits` when their block flushes.
@@ -91,7 +112,11 @@ class QuantCacheConfig:
             included; a layer kept native ignores its pair), instead of `k_bits`/`v_bits` for all. The number of
             pairs must equal the model's layers (checked when the cache binds to a model). `python -m qcache.calibrate
             --bits-per-value B` chooses them from measured sensitivities and stores them in its file.
-        v_scale: how a value token is scaled. "minmax" (default): a scale and a zero-point per group of
+        sliding_bits: with sliding_layers="quantized": the width of keys and values in sliding-window layers (2, 3,
+            4 or 8; None: the same as the other layers). `sliding_bits=8` holds a window of Gemma-3's at half its
+            16-bit bytes (not combinable with layer_bits, which sets every layer's widths itself).
+        v_scale: how a value token is scaled (default: "norm" when values are rotated and no option asks for value
+            groups: outliers, clip_search, v_group_size; else "minmax"). "minmax": a scale and a zero-point per group of
             `v_group_size` channels, levels spanning the group's [min, max]. "norm": one number per token and head
             (its least-squares scale, in `scale_dtype`) and the Lloyd-Max levels of a standard Gaussian, which the
             coordinates of a Hadamard-rotated token divided by its RMS approximately follow (qcache/levels.py): half
@@ -107,7 +132,7 @@ class QuantCacheConfig:
     bits: int | None = None
     k_bits: int = 4
     v_bits: int = 4
-    k_group_size: int = 64
+    k_group_size: int = 128
     v_group_size: int | None = None
     sink_tokens: int = 4
     recent_tokens: int = 128
@@ -115,17 +140,18 @@ class QuantCacheConfig:
     sliding_layers: str = "native"
     scale_dtype: str = "float16"
     clip_search: bool = False
-    codebooks: bool = True
+    codebooks: bool | None = None
     static_keys: bool = False
     kernel: str = "auto"
     outliers: int = 0
-    rotation: str = "none"
+    rotation: str | None = None
     rotation_seed: int = 0
     levels: str = "uniform"
-    rotate: str = "kv"
-    v_scale: str = "minmax"
-    window_bits: int = 16
+    rotate: str | None = None
+    v_scale: str | None = None
+    window_bits: int | None = None
     layer_bits: tuple[tuple[int, int], ...] | None = None
+    sliding_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits is not None:
@@ -157,9 +183,19 @@ class QuantCacheConfig:
         _check_nonneg_int("recent_tokens", self.recent_tokens)
         _check_choice("rope", self.rope, ROPE_MODES)
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
+        if self.sliding_bits is not None:
+            _check_choice("sliding_bits", self.sliding_bits, SUPPORTED_BITS)
+            if self.sliding_layers != "quantized":
+                raise ValueError(f"sliding_bits={self.sliding_bits} sets the width of quantized sliding-window layers, "
+                                 f"but sliding_layers={self.sliding_layers!r} keeps them as they are; allowed: "
+                                 "sliding_layers='quantized' with it, or sliding_bits=None")
+            if self.layer_bits is not None:
+                raise ValueError(f"sliding_bits={self.sliding_bits} and layer_bits both set the widths of sliding "
+                                 "layers; allowed: one of them (layer_bits holds a pair for every layer)")
         _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
         _check_choice("kernel", self.kernel, KERNELS)
         _check_nonneg_int("outliers", self.outliers)
+        self._resolve_defaults()
         if self.outliers:
             if self.static_keys:
                 raise ValueError("outliers > 0 is not supported with static_keys=True; allowed: outliers=0")
@@ -198,6 +234,24 @@ class QuantCacheConfig:
                              "each group's own min/max, static keys have none); allowed: levels='uniform' or "
                              "static_keys=False")
 
+    def _resolve_defaults(self) -> None:
+        """Options left at None follow from the others (module docstring: "Defaults")."""
+        for name in ("static_keys", "clip_search"):
+            _check_choice(name, getattr(self, name), (True, False))
+        if self.rotation is None:
+            self.rotation = "none" if self.static_keys else "hadamard"
+        if self.rotate is None:
+            self.rotate = "v" if self.rotation != "none" else "kv"
+        if self.v_scale is None:
+            rotated_values = self.rotation != "none" and self.rotate in ("kv", "v")
+            grouped = self.outliers or self.clip_search or self.v_group_size is not None
+            self.v_scale = "norm" if rotated_values and not grouped else "minmax"
+        if self.codebooks is None:
+            self.codebooks = self.rotation == "none" and self.levels == "uniform"
+        if self.window_bits is None:
+            widths = [b for pair in (self.layer_bits or ((self.k_bits, self.v_bits),)) for b in pair]
+            self.window_bits = 8 if max(widths) <= 4 else 16
+
     def value_group_size(self, head_dim: int) -> int:
         """The value group size used for `head_dim` (raises if it does not tile head_dim)."""
         divisors = [g for g in range(8, head_dim + 1, 8) if head_dim % g == 0]
@@ -212,6 +266,14 @@ class QuantCacheConfig:
                 f"v_group_size={self.v_group_size} does not divide head_dim={head_dim}; allowed values: {divisors}"
             )
         return self.v_group_size
+
+    def for_sliding_layer(self, idx: int) -> "QuantCacheConfig":
+        """The options of sliding-window layer `idx` when it is quantized: `sliding_bits` for keys and values if set,
+        else `for_layer(idx)`."""
+        if self.sliding_bits is None:
+            return self.for_layer(idx)
+        return dataclasses.replace(self, bits=None, k_bits=self.sliding_bits, v_bits=self.sliding_bits,
+                                   sliding_bits=None)
 
     def for_layer(self, idx: int) -> "QuantCacheConfig":
         """The options of layer `idx`: its `layer_bits` pair as k_bits/v_bits (these options when none are set)."""
@@ -249,6 +311,19 @@ class QuantCacheConfig:
         if unknown:
             raise ValueError(f"unknown QuantCacheConfig options {unknown}; allowed: {sorted(names)}")
         return cls(**d)
+
+    @classmethod
+    def overridden(cls, base: dict, overrides: dict) -> "QuantCacheConfig":
+        """`base` (a `to_dict()`, e.g. a calibration file's options) with `overrides` applied. An option of `base`
+        that equals the value its default would resolve to from the rest of `base` counts as a default: it follows
+        the overrides (a file made with the defaults, then `static_keys=True`, gets `rotation="none"`); any other
+        value of `base` stays as it is, and an override that conflicts with it raises."""
+        base = cls.from_dict(base).to_dict()
+        merged = dict(base)
+        for name in AUTO_OPTIONS:
+            if name not in overrides and cls.from_dict({**base, name: None}).to_dict()[name] == base[name]:
+                merged[name] = None
+        return cls.from_dict({**merged, **overrides})
 
     def full_precision_tokens(self, num_tokens: int) -> int:
         """Tokens of a `num_tokens`-long sequence that this layout keeps in full precision (worst case of the

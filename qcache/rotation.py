@@ -1,19 +1,29 @@
 """A randomized Hadamard rotation over head_dim, applied per token before quantization (`rotation="hadamard"`).
 
-    R = H_D · diag(s) / sqrt(D)      H_D: the Sylvester Hadamard matrix (entries ±1), s: a seeded ±1 vector
+    R = blockdiag(H_b, ..., H_b) · diag(s) / sqrt(b)      H_b: the b x b Sylvester Hadamard matrix (entries ±1),
+                                                          s: a seeded ±1 vector over all D channels
+
+b (`rotation_block(D)`) is the largest power of two that divides the head dim D, and the block-diagonal matrix holds
+D / b copies of H_b. For a power-of-two D, b = D: one block, R = H_D · diag(s) / sqrt(D). Other head dims need
+b >= 8, i.e. D a multiple of 8 (80 -> 5 blocks of 16, 96 -> 3 of 32, 120 -> 15 of 8); anything else raises.
 
 R is orthogonal (R Rᵀ = I), so a token x [D] is stored as x R and read back as (x R) Rᵀ. Mixing the channels of a
-token spreads an outlier channel over all D channels: what a per-channel key group or a per-token value group
-then sees is close to i.i.d. Gaussian, with a much smaller max/σ ratio, which min-max quantization rewards
-(QuaRot, QuIP#). D must be a power of two (Sylvester's construction); other head dims raise.
+token spreads an outlier channel over the channels it is mixed with: what a per-channel key group or a per-token
+value group then sees is closer to i.i.d. Gaussian, with a smaller max/σ ratio, which min-max quantization rewards
+(QuaRot, QuIP#). Mixing happens only within each block of b consecutive channels (all D channels when D is a power
+of two): an outlier is spread over its own block of b channels, not over the whole head, so a head dim with a small
+b (120: blocks of 8) gets less of the benefit than a power-of-two one. The signs s still span all D channels.
 
 One matrix serves every layer of a cache (same seed for all layers: `rotation_seed`), held once per device by a
-`SharedRotation` and counted once in `QuantCache.memory().rotation` (D·D·4 bytes).
+`SharedRotation` as a dense [D, D] matrix (zeros off the blocks) and counted once in `QuantCache.memory().rotation`
+(D·D·4 bytes).
 
 Example:
     >>> R = hadamard_rotation(8, seed=0)
     >>> bool(torch.allclose(R @ R.T, torch.eye(8), atol=1e-6))
     True
+    >>> rotation_block(96), rotation_block(128)
+    (32, 128)
 """
 
 from __future__ import annotations
@@ -24,15 +34,24 @@ import torch
 
 from .config import ROTATIONS
 
-__all__ = ["ROTATIONS", "hadamard_rotation", "check_rotation_dim", "SharedRotation"]
+__all__ = ["ROTATIONS", "hadamard_rotation", "check_rotation_dim", "rotation_block", "SharedRotation"]
+
+MIN_BLOCK = 8  # the smallest Hadamard block allowed: head_dim must be a multiple of 8
+
+
+def rotation_block(head_dim: int) -> int:
+    """The size b of the rotation's Hadamard blocks: the largest power of two dividing `head_dim` (head_dim itself
+    when it is a power of two). Raises (`check_rotation_dim`) unless head_dim is a positive multiple of 8."""
+    check_rotation_dim(head_dim)
+    return head_dim & -head_dim
 
 
 def check_rotation_dim(head_dim: int) -> None:
-    """Raise unless `head_dim` is a power of two (what a Sylvester Hadamard matrix needs)."""
-    if head_dim < 1 or head_dim & (head_dim - 1):
-        allowed = [2**i for i in range(3, 10)]
-        raise ValueError(f"rotation='hadamard' needs head_dim to be a power of two; this model has head_dim="
-                         f"{head_dim} (allowed: powers of two such as {allowed}; or rotation='none')")
+    """Raise unless `head_dim` is a positive multiple of 8 (Hadamard blocks of at least 8 channels)."""
+    if head_dim < MIN_BLOCK or head_dim % MIN_BLOCK:
+        allowed = [64, 80, 96, 112, 128, 256]
+        raise ValueError(f"rotation='hadamard' needs head_dim to be a multiple of {MIN_BLOCK}; this model has head_dim="
+                         f"{head_dim} (allowed: multiples of {MIN_BLOCK} such as {allowed}; or rotation='none')")
 
 
 def _hadamard(n: int) -> torch.Tensor:
@@ -49,18 +68,23 @@ def _hadamard(n: int) -> torch.Tensor:
 
 
 def hadamard_rotation(head_dim: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
-    """R = H_D · diag(s) / sqrt(D) [D, D] float32, s = ±1 drawn from a torch.Generator seeded with `seed`
+    """R = blockdiag(H_b, ..., H_b) · diag(s) / sqrt(b) [D, D] float32, b = `rotation_block(D)` (b = D for a power of
+    two: R = H_D · diag(s) / sqrt(D)), s = ±1 over all D channels drawn from a torch.Generator seeded with `seed`
     (deterministic on every device: built on CPU in float64, then cast and moved)."""
-    check_rotation_dim(head_dim)
+    block = rotation_block(head_dim)
     gen = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.int64).to(torch.float64) * 2 - 1
-    r = _hadamard(head_dim) * signs[None, :] / math.sqrt(head_dim)
+    h = _hadamard(block)
+    if block < head_dim:
+        h = torch.block_diag(*[h] * (head_dim // block))
+    r = h * signs[None, :] / math.sqrt(block)
     return r.to(torch.float32).to(device) if device is not None else r.to(torch.float32)
 
 
 class SharedRotation:
     """The rotation matrix of one cache, shared by its layers: built on a device the first time a layer there asks
-    for it (`on`), so a cache holds one [D, D] fp32 matrix per device its layers live on, and nothing else."""
+    for it (`on`), so a cache holds one [D, D] fp32 matrix per device its layers live on, and nothing else.
+    Raises on construction unless head_dim is a multiple of 8 (`check_rotation_dim`)."""
 
     def __init__(self, head_dim: int, seed: int = 0):
         check_rotation_dim(head_dim)

@@ -231,14 +231,16 @@ def cache_bytes(geometry: Geometry, fmt: str, num_tokens: int,
         full = kv_bytes_per_token(g.full_layers, g.kv_heads, g.head_dim, bpv) * num_tokens
         sliding = kv_bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, bpv) * sliding_tokens
         return full, sliding
-    cfg = dataclasses.replace(qcache or QuantCacheConfig(), bits=QCACHE_FORMATS[fmt])
+    # the width replaced, the options that follow from it (the window's) resolved again
+    cfg = QuantCacheConfig.overridden((qcache or QuantCacheConfig()).to_dict(), {"bits": QCACHE_FORMATS[fmt]})
     full = cfg.bytes_per_token(g.full_layers, g.kv_heads, g.head_dim, num_tokens) * num_tokens
     if not sliding_tokens:
         sliding = 0.0
     elif cfg.sliding_layers == "native":
         sliding = kv_bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, PLAIN_FORMATS["16-bit"]) * sliding_tokens
     else:
-        sliding = cfg.bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, sliding_tokens) * sliding_tokens
+        sliding = cfg.for_sliding_layer(0).bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim,
+                                                           sliding_tokens) * sliding_tokens
     return full, sliding
 
 

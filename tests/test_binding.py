@@ -67,7 +67,7 @@ def test_attention_without_a_module_needs_the_config():
     k = torch.randn(1, 2, 5, 32)
     with pytest.raises(ValueError, match=r"QuantCache\(model.config"):
         attention_as_a_function(QuantCache(bits=4), k, k)
-    keys, _ = attention_as_a_function(QuantCache(model.config, bits=4), k, k)
+    keys, _ = attention_as_a_function(QuantCache(model.config, bits=4, window_bits=16), k, k)
     assert torch.equal(keys, k)  # 5 tokens: all in the full-precision sinks and residual
 
 

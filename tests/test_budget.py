@@ -30,7 +30,7 @@ def test_bad_layer_bits_raise(kwargs, match):
 
 def test_layer_bits_build_per_layer_codecs_and_count_their_bytes():
     model = make_model("llama")  # 2 layers
-    cache = QuantCache(layer_bits=[[4, 2], [2, 3]], **OPTS)
+    cache = QuantCache(layer_bits=[[4, 2], [2, 3]], window_bits=16, **OPTS)  # "packed": the quantized tokens only
     generate(model, prompt(70), cache, max_new_tokens=3)
     assert [(lay.k_codec.bits, lay.v_codec.bits) for lay in cache.layers] == [(4, 2), (2, 3)]
     packed = [lay.store.nbytes()["packed"] for lay in cache.layers]
@@ -75,7 +75,7 @@ def test_allocation_spends_bits_on_the_sensitive_layers_within_the_budget():
 def test_allocation_under_the_narrowest_plan_raises():
     opts = QuantCacheConfig(recent_tokens=0, sink_tokens=0)
     with pytest.raises(ValueError, match=r"budget 2.2 bits/value is below the narrowest plan \(2-bit keys and "
-                                         r"values: 2.50"):
+                                         r"values: 2.25"):
         allocate(_toy_sensitivities(2, [1, 1]), opts, 2.2, 2, [0, 1], 2, 64, 4096)
 
 
@@ -124,7 +124,8 @@ def test_cli_refuses_options_that_refuse_the_files_codebooks(tmp_path, capsys):
     from qcache import calibrate as cli
 
     with pytest.raises(SystemExit):
-        cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "rotation=hadamard"])
+        cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "rotation=hadamard", "--option",
+                  "codebooks=true"])
     assert "refuse its codebooks" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "colour=blue"])

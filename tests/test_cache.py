@@ -12,6 +12,9 @@ from qcache.rope import RopeHelper
 
 # small blocks so that short prompts exercise sinks, quantized blocks and the residual
 OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+# for checks of exact values and byte formulas: no rotation, the residual window as given (the defaults rotate values
+# and hold the window 8-bit: tests/test_rotation.py, tests/test_window.py)
+EXACT = dict(OPTS, rotation="none", window_bits=16)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # max |logit error| of the 8-bit cache, as a fraction of the logits' std (bf16 adds its own rounding)
 TOL_8BIT = {torch.float32: 0.05, torch.bfloat16: 0.1, torch.float16: 0.1}
@@ -98,7 +101,7 @@ def test_sampling(family, bits):
 def test_beam_search_8bit_matches_dynamic(family):
     model = make_model(family)
     ids = prompt(50)
-    out = generate(model, ids, QuantCache(bits=8, **OPTS), num_beams=3, max_new_tokens=16)
+    out = generate(model, ids, QuantCache(bits=8, **EXACT), num_beams=3, max_new_tokens=16)
     ref = generate(model, ids, DynamicCache(config=model.config), num_beams=3, max_new_tokens=16)
     assert torch.equal(out, ref)
 
@@ -202,7 +205,7 @@ def test_reset_then_reuse_is_exact(family):
 
 def test_update_returns_what_is_stored_and_never_requantizes():
     model = make_model("llama")
-    cache = QuantCache(bits=4, **OPTS)
+    cache = QuantCache(bits=4, **EXACT)
     ids = prompt(80)
     logits(model, ids[:, :50], cache)
     layer = cache.layers[1]
@@ -224,7 +227,7 @@ def test_update_returns_what_is_stored_and_never_requantizes():
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
 def test_memory_counts_really_packed_storage(bits):
     model = make_model("llama")
-    cache = QuantCache(bits=bits, **OPTS)
+    cache = QuantCache(bits=bits, **EXACT)
     logits(model, prompt(150), cache)
     mem = cache.memory()
     layer = cache.layers[0]
@@ -234,7 +237,7 @@ def test_memory_counts_really_packed_storage(bits):
     assert mem.packed == layers * heads * tq * head_dim * 2 * bits // 8  # K and V, bits/8 bytes per value
     assert mem.full_precision == layers * heads * (150 - tq) * head_dim * 2 * 4  # fp32 model
     assert mem.tokens == 150
-    expected = QuantCacheConfig(bits=bits, **OPTS, scale_dtype="float16").bytes_per_token(
+    expected = QuantCacheConfig(bits=bits, **EXACT, scale_dtype="float16").bytes_per_token(
         layers, heads, head_dim, 150, fp_bytes=4) * 150
     assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)
@@ -252,6 +255,30 @@ def test_quantized_sliding_layers():
     native = QuantCache(bits=8, **OPTS)
     generate(model, ids, native, max_new_tokens=30)
     assert not isinstance(native.layers[0], QuantLayer)
+
+
+def test_sliding_bits_sets_the_width_of_quantized_sliding_layers():
+    model = make_model("gemma3")  # layers: sliding, full, sliding
+    ids = prompt(100)
+    cache = QuantCache(bits=2, sliding_layers="quantized", sliding_bits=8, **OPTS)
+    generate(model, ids, cache, max_new_tokens=10)
+    widths = [(layer.cfg.k_bits, layer.cfg.v_bits) for layer in cache.layers]
+    assert widths == [(8, 8), (2, 2), (8, 8)]
+    # the 8-bit sliding layer holds four times the code bytes of the 2-bit one
+    two = QuantCache(bits=2, sliding_layers="quantized", **OPTS)
+    generate(model, ids, two, max_new_tokens=10)
+    assert [layer.cfg.k_bits for layer in two.layers] == [2, 2, 2]
+    assert cache.layers[0].memory().packed > two.layers[0].memory().packed
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"sliding_bits": 8}, r"sliding_bits=8.*sliding_layers='native'.*allowed: sliding_layers='quantized'"),
+    ({"sliding_bits": 5, "sliding_layers": "quantized"}, r"sliding_bits=5.*\[2, 3, 4, 8\]"),
+    ({"sliding_bits": 8, "sliding_layers": "quantized", "layer_bits": [(4, 4)] * 3}, "sliding_bits=8 and layer_bits"),
+])
+def test_bad_sliding_bits_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantCacheConfig(**kwargs)
 
 
 # --- bad input -----------------------------------------------------------------------------------------------
@@ -329,13 +356,13 @@ def test_crop_through_a_block_leaves_no_trace():
     with (back in full precision)."""
     model = make_model("llama")
     ids = prompt(70)
-    cache = QuantCache(bits=4, **OPTS)
+    cache = QuantCache(bits=4, **EXACT)
     logits(model, ids, cache)
     layer = cache.layers[1]
     read_before = layer.read()[0]
     kept = 2 + 16 * 2 + 5  # sinks, two whole blocks, 5 tokens of the third block
     cache.crop(-(70 - kept))
-    fresh = QuantCache(bits=4, **OPTS)
+    fresh = QuantCache(bits=4, **EXACT)
     logits(model, ids[:, :kept], fresh)
     for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale"):
         got, ref = layer.store.view(name), fresh.layers[1].store.view(name)

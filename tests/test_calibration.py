@@ -13,7 +13,8 @@ from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import load_calibration, save_calibration
 from qcache.cache import QuantLayer
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+# the calibrated path: unrotated, so the file's codebooks are used (the defaults rotate values and leave them out)
+OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2, rotation="none")
 
 
 def calibration_ids(n=4, length=64, seed=3):

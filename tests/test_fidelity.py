@@ -415,7 +415,8 @@ def test_cli_rejects_contexts_beyond_the_model(model_dir, capsys):
 
 def test_cli_run_writes_json_markdown_and_plot(model_dir, tmp_path):
     out = tmp_path / "fid"
-    report = fidelity.main(["--model", str(model_dir), "--context", "256", "--docs", "2", "--chunk", "64",
+    # 512 tokens: more than the sinks, a 128-token key block and 128 recent tokens, so most of the cache is quantized
+    report = fidelity.main(["--model", str(model_dir), "--context", "512", "--docs", "2", "--chunk", "64",
                             "--caches", "quant:4", "quant:2", "hf-quanto:4", "--lengths", "512", "--needles", "4",
                             "--bootstrap", "50", "--out", str(out), "--no-progress"])
     saved = json.loads(out.with_suffix(".json").read_text())
@@ -426,7 +427,7 @@ def test_cli_run_writes_json_markdown_and_plot(model_dir, tmp_path):
     assert rows["default"]["reference"] and "sliding" in rows["hf-quanto-4bit"]["refused"]
     assert 0 < rows["quant-4bit"]["kl"] < rows["quant-2bit"]["kl"]
     assert rows["quant-2bit"]["bits_per_value"] < rows["quant-4bit"]["bits_per_value"]
-    assert rows["quant-4bit"]["tokens"] == 2 * 127
+    assert rows["quant-4bit"]["tokens"] == 2 * 255
     needles = [r for r in saved["needles"] if "refused" not in r]
     assert [r["cache"] for r in needles] == ["default", "quant-4bit", "quant-2bit"]
     assert all(r["needles"] == 4 and len(r["scores"]) == 4 for r in needles)

@@ -118,10 +118,13 @@ def test_levels_option_is_checked():
 
 def test_lloyd_max_with_calibrated_codebooks_raises():
     config = make_model("llama").config
-    data = CalibrationData(model_fingerprint(config), QuantCacheConfig(bits=4).to_dict(), {},
+    data = CalibrationData(model_fingerprint(config), QuantCacheConfig(bits=4, rotation="none").to_dict(), {},
                            {i: {"k_codebook": torch.linspace(0, 1, 16), "v_codebook": torch.linspace(0, 1, 16)}
                             for i in range(2)})
+    assert QuantCache(config, calibration=data).options.codebooks  # the file's levels by default
     with pytest.raises(ValueError, match=r"two sources of levels; allowed: codebooks=False"):
-        QuantCache(config, calibration=data, levels="lloyd-max")
+        QuantCache(config, calibration=data, levels="lloyd-max", codebooks=True)
+    # asking for data-free levels turns the codebooks' default off
+    assert not QuantCache(config, calibration=data, levels="lloyd-max").options.codebooks
     cache = QuantCache(config, calibration=data, levels="lloyd-max", codebooks=False)  # the data-free levels only
-    assert cache.layers[0].consts["k"]["codebook"].tolist() == pytest.approx(lloyd_max_levels(4, 64))
+    assert cache.layers[0].consts["k"]["codebook"].tolist() == pytest.approx(lloyd_max_levels(4, cache.options.k_group_size))

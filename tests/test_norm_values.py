@@ -84,13 +84,13 @@ def test_norm_codec_zero_token_and_bits_per_value():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(v_scale="absmax"), r"v_scale='absmax' is not supported; allowed values: \['minmax', 'norm'\]"),
-    (dict(v_scale="norm", levels="lloyd-max"), r"v_scale='norm' needs rotated values .*rotation='none'"),
+    (dict(v_scale="norm", rotation="none"), r"v_scale='norm' needs rotated values .*rotation='none'"),
     (dict(v_scale="norm", rotation="hadamard", levels="lloyd-max", rotate="k"), r"rotate='k'; allowed"),
     (dict(NORM, outliers=1), r"got outliers=1; allowed: outliers=0"),
     (dict(NORM, clip_search=True), r"got clip_search=True; allowed: clip_search=False"),
     (dict(NORM, v_group_size=32), r"got v_group_size=32; allowed: v_group_size=None"),
     (dict(rotate="q", rotation="hadamard"), r"rotate='q' is not supported; allowed values: \['kv', 'k', 'v'\]"),
-    (dict(rotate="v"), r"rotate='v' needs a rotation"),
+    (dict(rotate="v", rotation="none"), r"rotate='v' needs a rotation"),
 ])
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -101,7 +101,7 @@ def test_options_round_trip_and_sizes():
     cfg = QuantCacheConfig(k_bits=3, v_bits=3, rotate="v", **NORM)
     assert QuantCacheConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.value_group_size(64) == 64
-    minmax = QuantCacheConfig(k_bits=3, v_bits=3, rotation="hadamard", levels="lloyd-max")
+    minmax = QuantCacheConfig(k_bits=3, v_bits=3, rotation="hadamard", levels="lloyd-max", v_scale="minmax")
     # one fp16 scale per token and head instead of a scale and a zero per 64 channels
     diff = minmax.bytes_per_token(30, 3, 64, 8192) - cfg.bytes_per_token(30, 3, 64, 8192)
     assert diff == pytest.approx(30 * 3 * 2 * (8192 - cfg.full_precision_tokens(8192)) / 8192)

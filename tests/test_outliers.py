@@ -9,7 +9,8 @@ from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig
 from qcache.quant import dequantize_grouped, quantize_grouped, scatter_outliers, select_outliers
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+# unrotated (outliers are the alternative to a rotation for min-max groups)
+OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2, rotation="none")
 
 
 def test_select_outliers_finds_the_farthest_values():

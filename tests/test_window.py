@@ -46,9 +46,9 @@ def test_window_bytes_are_counted(bits):
     heads, head_dim, layers = 2, 32, 2
     expected = QuantCacheConfig(bits=bits, window_bits=8, **OPTS).bytes_per_token(layers, heads, head_dim, 150,
                                                                                   fp_bytes=4) * 150
-    assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
+    assert mem.total - mem.reserved - mem.rope - mem.rotation - mem.codebooks == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)
-    plain = QuantCache(bits=bits, **OPTS)
+    plain = QuantCache(bits=bits, window_bits=16, **OPTS)
     logits(model, prompt(150), plain)
     assert mem.total < plain.memory().total
 
