@@ -3,7 +3,8 @@
     QuantCache(preset="k3v3")                 # 3-bit keys and values: ~3.5 bits/value held at 8k tokens
     QuantCache(preset="k3v2", recent_tokens=128)   # a preset, one option changed
 
-Every preset rotates values (`rotation="hadamard"`, `rotate="v"`: head_dim must be a multiple of 8), scales each
+"k4v4", "k3v3" and "k2v2" are what `QuantCache(bits=4)`, `bits=3` and `bits=2` resolve to (the defaults of
+`QuantCacheConfig` were chosen by the same runs); the presets name them and the K/V splits beside them. Every preset rotates values (`rotation="hadamard"`, `rotate="v"`: head_dim must be a multiple of 8), scales each
 value token by one least-squares number with Gaussian Lloyd-Max levels (`v_scale="norm"`), keeps keys per channel
 in blocks of 128 tokens with uniform levels, unrotated, and holds the residual window 8-bit (`window_bits=8`). Why
 these (docs/results, one document each, KL against the default cache over the second half of the context):
