@@ -20,26 +20,46 @@ from pathlib import Path
 TARGETS = ((4.5, 0.005, 0.3, True), (3.5, 0.02, 1.5, False), (2.6, None, 8.0, True))
 
 
-def _levers(spec: dict) -> dict:
-    """What a row turns on, from its cache spec (defaults spelled out)."""
-    o = dict(spec.get("options") or {})
-    if "preset" in o:  # a named setting: its options, then the spec's own
+# What an option left out of a spec meant before commit 37e6f79 made the measured presets the defaults: runs made
+# before it record only the options they were given, and are read with these.
+LEGACY_DEFAULTS = {"k_bits": 4, "v_bits": 4, "rotation": "none", "rotate": "kv", "levels": "uniform",
+                   "v_scale": "minmax", "k_group_size": 64, "recent_tokens": 128, "window_bits": 16,
+                   "sliding_layers": "native", "sliding_bits": None}
+
+
+def _options(row: dict) -> dict:
+    """The options a row ran with: the resolved options the runner recorded (`options`), else its spec read with
+    LEGACY_DEFAULTS (a run that predates the record)."""
+    spec = row["spec"]
+    given = dict(spec.get("options") or {})
+    if row.get("options"):
+        return {**row["options"], **{k: given[k] for k in ("calibration", "bits_per_value") if k in given}}
+    if "preset" in given:  # a named setting: its options, then the spec's own
         from qcache.presets import preset_options
 
-        o = preset_options(o.pop("preset"), **o)
-    bits = spec.get("bits")
-    kb = int(o.get("k_bits", bits if bits is not None else 4))
-    vb = int(o.get("v_bits", bits if bits is not None else 4))
-    rot = o.get("rotation", "none")
+        given = preset_options(given.pop("preset"), **given)
+    o = {**LEGACY_DEFAULTS, **given}
+    if spec.get("bits") is not None:
+        o["k_bits"] = o["v_bits"] = spec["bits"]
+    return o
+
+
+def _levers(row: dict) -> dict:
+    """What a row turns on, every option spelled out."""
+    o = _options(row)
+    rot = o.get("rotation") or "none"
+    sliding = o.get("sliding_layers", "native")
+    if sliding == "quantized" and o.get("sliding_bits") is not None:
+        sliding = f"{o['sliding_bits']}-bit"
     return {
-        "kv": f"K{kb}V{vb}" if "bits_per_value" not in o else f"plan ≤ {o['bits_per_value']}",
-        "rotation": "-" if rot == "none" else f"{rot} ({o.get('rotate', 'kv')})",
+        "kv": f"K{o['k_bits']}V{o['v_bits']}" if "bits_per_value" not in o else f"plan ≤ {o['bits_per_value']}",
+        "rotation": "-" if rot == "none" else f"{rot} ({o.get('rotate') or 'kv'})",
         "levels": o.get("levels", "uniform"),
-        "value scale": o.get("v_scale", "minmax"),
-        "key block": str(o.get("k_group_size", 64)),
-        "recent": str(o.get("recent_tokens", 128)),
-        "window bits": str(o.get("window_bits", 16)),
-        "sliding": o.get("sliding_layers", "native"),
+        "value scale": o.get("v_scale") or "minmax",
+        "key block": str(o.get("k_group_size")),
+        "recent": str(o.get("recent_tokens")),
+        "window bits": str(o.get("window_bits")),
+        "sliding": sliding,
         "calibrated": "yes" if o.get("calibration") else "no",
     }
 
@@ -73,7 +93,7 @@ def render(path: Path) -> str:
             lines.append("| default | | | | | | | | | " + f"{row['bits_per_value']:.2f} | 0 | 100 | PPL "
                          f"{run['reference_ppl']:.3f} | |")
             continue
-        lv = _levers(row["spec"])
+        lv = _levers(row)
         ci = row.get("ci95", {})
         kl_ci = ci.get("kl", [float("nan")] * 2)
         d_ci = ci.get("delta_ppl_pct", [float("nan")] * 2)
@@ -82,7 +102,53 @@ def render(path: Path) -> str:
             f"{100 * row['top1']:.1f}", f"{row['delta_ppl_pct']:+.2f} [{d_ci[0]:+.2f}, {d_ci[1]:+.2f}]",
             _meets(row, lv["calibrated"] == "yes")]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _needle_table(run)
     return "\n".join(lines) + "\n"
+
+
+def needles_kept(row: dict, ref: dict) -> list[str]:
+    """Where a cache finds fewer needles than the default cache's Wilson 95 % interval allows: the length (and the
+    depth thirds) whose share is below the lower end of the default's interval; [] when none is."""
+    misses = []
+    if row["share"] < ref["wilson95"][0]:
+        misses.append(f"{row['length']}: {row['found']}/{row['needles']} < {100 * ref['wilson95'][0]:.0f} %")
+    for mine, theirs in zip(row["by_third"], ref["by_third"]):
+        if mine["needles"] and theirs["wilson95"] and mine["found"] / mine["needles"] < theirs["wilson95"][0]:
+            misses.append(f"{row['length']} {('first', 'middle', 'last')[mine['third']]} third: "
+                          f"{mine['found']}/{mine['needles']} < {100 * theirs['wilson95'][0]:.0f} %")
+    return misses
+
+
+def _needle_table(run: dict) -> list[str]:
+    """Needles found per length (and per depth third) next to the default cache's, and whether every share stays at
+    or above the lower end of the default's Wilson 95 % interval (the needle target)."""
+    rows = [r for r in run.get("needles") or [] if "share" in r]
+    refs = {r["length"]: r for r in rows if r["spec"]["kind"] == "default"}
+    lengths = sorted(refs)
+    if not lengths:
+        return []
+    lines = ["", f"Needles ({run['settings']['needles']} per length, depths 5-95 %): found % (first / middle / last "
+             "third, of 10 each) and bits/value held after the fill; 'kept' says whether every share is at or above "
+             "the lower end of the default cache's Wilson 95 % interval, at every length and third.", "",
+             "| cache | " + " | ".join(f"{n} found % | {n} bits/value" for n in lengths) + " | kept |",
+             "|---|" + "---:|---:|" * len(lengths) + "---|"]
+    labels = list(dict.fromkeys(r["cache"] for r in rows))
+    for label in labels:
+        mine = {r["length"]: r for r in rows if r["cache"] == label}
+        cells, misses = [], []
+        for n in lengths:
+            r = mine.get(n)
+            if r is None:
+                cells += ["", ""]
+                continue
+            thirds = " / ".join(str(t["found"]) for t in r["by_third"])
+            cells += [f"{100 * r['share']:.0f} ({thirds})", f"{r['bits_per_value']:.2f}"]
+            if r["spec"]["kind"] != "default":
+                misses += needles_kept(r, refs[n])
+        kept = "(reference)" if label in {r["cache"] for r in refs.values()} else (
+            "yes" if not misses else "no: " + "; ".join(misses))
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {kept} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

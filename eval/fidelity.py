@@ -488,6 +488,7 @@ class CacheEntry:
     make: Callable[[], object] | None = None
     refused: str | None = None
     calibration_seconds: float | None = None
+    options: dict | None = None  # a QuantCache's options as resolved (every default spelled out), for the tables
 
 
 def prepare_caches(model, tokenizer, specs: Sequence[CacheSpec]) -> list[CacheEntry]:
@@ -507,6 +508,7 @@ def prepare_caches(model, tokenizer, specs: Sequence[CacheSpec]) -> list[CacheEn
                 entry.calibration_seconds = time.perf_counter() - start
             bits, parsed = parse_cache_options(options)
             entry.make = cache_factory(spec.kind, model.config, spec.bits if bits is None else bits, **parsed)
+            entry.options = resolved_options(entry.make())
         except (ValueError, ImportError, NotImplementedError) as err:
             log.warning("%s refused: %s", spec.label, err)
             entry.refused = f"{type(err).__name__}: {err}"
@@ -535,7 +537,8 @@ def run_fidelity(model, ids: torch.Tensor, entries: Sequence[CacheEntry], settin
     by_label = {t.label: t for t in tracks}
     rows = []
     for e in entries:
-        row = {"cache": e.label, "spec": _spec_dict(e.spec), "calibration_seconds": e.calibration_seconds}
+        row = {"cache": e.label, "spec": _spec_dict(e.spec), "options": e.options,
+               "calibration_seconds": e.calibration_seconds}
         if e.refused is not None:
             rows.append({**row, "refused": e.refused})
             continue
@@ -570,7 +573,8 @@ def run_needles(model, tokenizer, text: str, entries: Sequence[CacheEntry], sett
     for length, (fill_ids, needles) in plans.items():
         ref_scores = None
         for e in entries:
-            row = {"cache": e.label, "spec": _spec_dict(e.spec), "length": length, "filled_tokens": fill_ids.shape[1]}
+            row = {"cache": e.label, "spec": _spec_dict(e.spec), "options": e.options, "length": length,
+                   "filled_tokens": fill_ids.shape[1]}
             if e.refused is not None:
                 rows.append({**row, "refused": e.refused})
                 continue
@@ -604,6 +608,13 @@ def run_needles(model, tokenizer, text: str, entries: Sequence[CacheEntry], sett
                                          else ref_scores, settings.bootstrap, settings.seed))
     bar.close()
     return rows
+
+
+def resolved_options(cache) -> dict | None:
+    """The options a QuantCache runs with, every default resolved (`QuantCacheConfig.to_dict`); None for other
+    caches. Result files keep them so that a row says what it measured whatever the defaults are later."""
+    options = getattr(cache, "options", None)
+    return options.to_dict() if hasattr(options, "to_dict") else None
 
 
 def _spec_dict(spec: CacheSpec) -> dict:

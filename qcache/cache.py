@@ -152,8 +152,9 @@ class QuantLayer(CacheLayerMixin):
         self.cfg = cfg
         calibration = calibration or {}
         _check_calibration_options(cfg, bool(calibration))
-        k_consts = {"codebook": calibration.get("k_codebook") if cfg.codebooks else None}
-        v_consts = {"codebook": calibration.get("v_codebook") if cfg.codebooks else None}
+        streams = cfg.codebook_streams() if cfg.codebooks else ""  # the streams the file's levels were fitted for
+        k_consts = {"codebook": calibration.get("k_codebook") if "k" in streams else None}
+        v_consts = {"codebook": calibration.get("v_codebook") if "v" in streams else None}
         for name, cb, bits in (("k_codebook", k_consts["codebook"], cfg.k_bits),
                                ("v_codebook", v_consts["codebook"], cfg.v_bits)):
             if cb is not None and cb.numel() != 2**bits:
@@ -537,16 +538,18 @@ class QuantLayer(CacheLayerMixin):
 
 
 def _check_calibration_options(cfg: QuantCacheConfig, calibrated: bool) -> None:
-    """Options that do not combine with a calibration file's levels (fitted without rotation, and a second source
-    of levels)."""
+    """Options that do not combine with a calibration file's levels: a second source of levels, or no stream left
+    that the levels were fitted for (`QuantCacheConfig.codebook_streams`)."""
     if not calibrated or not cfg.codebooks:
         return
     if cfg.levels != "uniform":
         raise ValueError(f"levels={cfg.levels!r} with a calibration file's codebooks (codebooks=True) gives two sources "
                          "of levels; allowed: codebooks=False (data-free levels) or levels='uniform' (the file's)")
-    if cfg.rotation != "none":
-        raise ValueError(f"rotation={cfg.rotation!r} with a calibration file's codebooks (codebooks=True): the codebooks "
-                         "were fitted to unrotated keys and values; allowed: codebooks=False or rotation='none'")
+    if not cfg.codebook_streams():
+        raise ValueError(f"codebooks=True, but rotation={cfg.rotation!r} with rotate={cfg.rotate!r} and v_scale="
+                         f"{cfg.v_scale!r} leaves no stream the file's codebooks were fitted for (unrotated keys; "
+                         "unrotated values with v_scale='minmax'); allowed: codebooks=False, rotate='v' (keys take "
+                         "their codebooks) or rotation='none'")
 
 
 def _write_planes(out: torch.Tensor, planes: list[torch.Tensor]) -> None:

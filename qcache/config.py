@@ -9,7 +9,8 @@ levels; the residual window 8-bit. Five options default to None and follow from 
     rotation     "hadamard", or "none" with static_keys=True (static key ranges are unrotated)
     rotate       "v" with a rotation (rotating keys cost Gemma-3 5x its KL), else "kv"
     v_scale      "norm" when values are rotated and ungrouped (no outliers, clip_search or v_group_size), else "minmax"
-    codebooks    True when a calibration file's levels apply (no rotation, uniform levels), else False
+    codebooks    True when a calibration file's levels apply to a stream (uniform levels and unrotated keys, or
+                 unrotated min-max values: `codebook_streams`), else False
     window_bits  8 when every width is at most 4 bits, else 16 (an 8-bit cache is meant to be near-lossless, and an
                  8-bit window's rounding is the size of its own)
 
@@ -70,8 +71,9 @@ class QuantCacheConfig:
         scale_dtype: dtype of the stored scales and zero-points.
         clip_search: per group, try ranges shrunk to CLIP_RATIOS of [min, max] and keep the one with the least
             squared error (costs time when tokens are quantized, nothing when they are read).
-        codebooks: with a calibration file, use its non-uniform per-layer codebooks (else uniform levels). Default:
-            True without a rotation and with uniform levels, else False (the codebooks were fitted unrotated).
+        codebooks: with a calibration file, use its non-uniform per-layer codebooks (else uniform levels) on the
+            streams they were fitted for (`codebook_streams`: unrotated keys; unrotated min-max values). Default: True
+            with uniform levels where a stream takes them (the defaults: the keys), else False.
         static_keys: with a calibration file, use its static per-channel pre-RoPE key ranges: keys are quantized
             as they arrive (no full-precision block, no per-block key scales).
         outliers: dense-and-sparse quantization: per quantization group (a key channel over a block of
@@ -92,8 +94,8 @@ class QuantCacheConfig:
             seeded randomized Hadamard matrix over head_dim before it is encoded and by its transpose when read
             (qcache/rotation.py), spreading outlier channels. head_dim must be a multiple of 8 (mixing is within blocks
             of its largest power-of-two divisor: all channels for a power of two).
-            Full-precision tokens are not rotated. Not combinable with static_keys or calibrated codebooks (both
-            calibrated in unrotated space).
+            Full-precision tokens are not rotated. Not combinable with static_keys (calibrated in unrotated space);
+            a calibration file's codebooks apply to the streams left unrotated only.
         rotation_seed: seed of the rotation's ±1 signs (one matrix for every layer of a cache).
         rotate: what the rotation applies to: "kv" keys and values, "k" keys only, "v" values only. Default: "v"
             with a rotation (keys rotated lose on Gemma-3 and win on SmolLM2 at 2 bits: pass rotate="kv" after
@@ -247,10 +249,17 @@ class QuantCacheConfig:
             grouped = self.outliers or self.clip_search or self.v_group_size is not None
             self.v_scale = "norm" if rotated_values and not grouped else "minmax"
         if self.codebooks is None:
-            self.codebooks = self.rotation == "none" and self.levels == "uniform"
+            self.codebooks = self.levels == "uniform" and bool(self.codebook_streams())
         if self.window_bits is None:
             widths = [b for pair in (self.layer_bits or ((self.k_bits, self.v_bits),)) for b in pair]
             self.window_bits = 8 if max(widths) <= 4 else 16
+
+    def codebook_streams(self) -> str:
+        """The streams a calibration file's codebooks apply to: "k" when keys are unrotated, "v" when values are
+        unrotated and min-max scaled (the codebooks were fitted to unrotated groups in their [min, max]); "kv", "k",
+        "v" or "". Rotated streams keep their own levels (`v_scale="norm"`: Gaussian ones)."""
+        rotated = self.rotate if self.rotation != "none" else ""
+        return ("k" if "k" not in rotated else "") + ("v" if "v" not in rotated and self.v_scale == "minmax" else "")
 
     def value_group_size(self, head_dim: int) -> int:
         """The value group size used for `head_dim` (raises if it does not tile head_dim)."""

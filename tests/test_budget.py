@@ -124,8 +124,8 @@ def test_cli_refuses_options_that_refuse_the_files_codebooks(tmp_path, capsys):
     from qcache import calibrate as cli
 
     with pytest.raises(SystemExit):
-        cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "rotation=hadamard", "--option",
-                  "codebooks=true"])
+        cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "rotate=kv", "--option",
+                  "codebooks=true"])  # both streams rotated: no stream left for the file's codebooks
     assert "refuse its codebooks" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "colour=blue"])

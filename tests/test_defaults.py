@@ -18,12 +18,15 @@ def test_bits_n_is_the_knvn_preset(bits):
 
 
 @pytest.mark.parametrize("given,resolved", [
-    ({}, dict(rotation="hadamard", rotate="v", v_scale="norm", codebooks=False, window_bits=8)),
-    ({"bits": 8}, dict(rotation="hadamard", rotate="v", v_scale="norm", codebooks=False, window_bits=16)),
+    # the defaults: unrotated keys take a calibration file's codebooks, rotated "norm" values their Gaussian levels
+    ({}, dict(rotation="hadamard", rotate="v", v_scale="norm", codebooks=True, window_bits=8)),
+    ({"bits": 8}, dict(rotation="hadamard", rotate="v", v_scale="norm", codebooks=True, window_bits=16)),
     ({"layer_bits": [(4, 4), (8, 2)]}, dict(window_bits=16)),
     ({"static_keys": True}, dict(rotation="none", rotate="kv", v_scale="minmax", codebooks=True)),
     ({"rotation": "none"}, dict(rotate="kv", v_scale="minmax", codebooks=True, window_bits=8)),
-    ({"rotation": "hadamard"}, dict(rotate="v", v_scale="norm", codebooks=False)),
+    ({"rotation": "hadamard"}, dict(rotate="v", v_scale="norm", codebooks=True)),
+    ({"rotate": "kv"}, dict(v_scale="norm", codebooks=False)),  # no stream left unrotated
+    ({"rotate": "k"}, dict(v_scale="minmax", codebooks=True)),  # unrotated min-max values
     ({"rotate": "k"}, dict(rotation="hadamard", v_scale="minmax")),
     ({"v_group_size": 32}, dict(v_scale="minmax")),
     ({"outliers": 1}, dict(v_scale="minmax")),
@@ -50,3 +53,11 @@ def test_overriding_stored_options_resolves_the_defaults_again():
     assert (kept.static_keys, kept.rotation, kept.window_bits, kept.recent_tokens) == (True, "none", 16, 64)
     with pytest.raises(ValueError, match="rotation='hadamard' is not supported with static_keys=True"):
         QuantCacheConfig.overridden(old_file, {"rotation": "hadamard"})
+
+
+@pytest.mark.parametrize("given,streams", [
+    ({}, "k"), ({"rotation": "none"}, "kv"), ({"rotate": "k"}, "v"), ({"rotate": "kv"}, ""),
+    ({"rotate": "v", "v_scale": "minmax"}, "k"), ({"static_keys": True}, "kv"),
+])
+def test_codebook_streams(given, streams):
+    assert QuantCacheConfig(**given).codebook_streams() == streams

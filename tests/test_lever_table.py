@@ -36,7 +36,44 @@ def test_levers_and_targets(tmp_path):
     assert table[1].endswith("| ≤ 3.5 |")  # KL 0.015 is over the 4.5 row's 0.005
     assert table[2].startswith("| plan ≤ 3.4 |") and table[2].endswith("| - |")
     assert table[3].startswith("| K2V2 | - | uniform | minmax | 128 |") and table[3].endswith("| ≤ 2.6 |")
-    assert lt._levers({"kind": "quant", "bits": None, "options": {"preset": "k3v2"}})["recent"] == "256"
+    assert lt._levers({"spec": {"kind": "quant", "bits": None, "options": {"preset": "k3v2"}}})["recent"] == "256"
     assert table[4].endswith("| - |")
     out = tmp_path / "t.md"
     assert lt.main([str(path), "--out", str(out)]) == 0 and "git aaaaaaaaaa (clean tree)" in out.read_text()
+
+
+def test_resolved_options_win_over_legacy_defaults():
+    # a run that recorded its resolved options is read from them; one that did not, with the defaults of its time
+    from qcache import QuantCacheConfig
+
+    spec = {"kind": "quant", "bits": 3, "options": {}}
+    now = lt._levers({"spec": spec, "options": QuantCacheConfig(bits=3).to_dict()})
+    then = lt._levers({"spec": spec})
+    assert (now["rotation"], now["value scale"], now["key block"], now["window bits"]) == ("hadamard (v)", "norm",
+                                                                                          "128", "8")
+    assert (then["rotation"], then["value scale"], then["key block"], then["window bits"]) == ("-", "minmax", "64",
+                                                                                             "16")
+    sliding = QuantCacheConfig(bits=3, sliding_layers="quantized", sliding_bits=8).to_dict()
+    assert lt._levers({"spec": spec, "options": sliding})["sliding"] == "8-bit"
+
+
+def _needle_row(kind, length, found, thirds):
+    from eval.needles import wilson_interval
+
+    return {"cache": kind, "spec": {"kind": kind}, "length": length, "needles": 30, "found": found,
+            "share": found / 30, "wilson95": list(wilson_interval(found, 30)), "bits_per_value": 3.5,
+            "by_third": [{"third": i, "needles": 10, "found": k, "wilson95": list(wilson_interval(k, 10))}
+                         for i, k in enumerate(thirds)]}
+
+
+def test_needles_kept():
+    ref = _needle_row("default", 8192, 13, (2, 3, 8))
+    assert lt.needles_kept(_needle_row("quant", 8192, 12, (1, 3, 8)), ref) == []  # inside the default's interval
+    assert lt.needles_kept(_needle_row("quant", 8192, 20, (9, 9, 2)), ref) == [  # more in all, fewer in the last
+        "8192 last third: 2/10 < 49 %"]
+    assert lt.needles_kept(_needle_row("quant", 8192, 4, (1, 0, 3)), ref) == [
+        "8192: 4/30 < 27 %", "8192 middle third: 0/10 < 11 %", "8192 last third: 3/10 < 49 %"]
+    run = {"settings": {"needles": 30}, "needles": [ref, _needle_row("quant", 8192, 4, (1, 0, 3))]}
+    table = lt._needle_table(run)
+    assert table[-2].startswith("| default | 43 (2 / 3 / 8) | 3.50 | (reference) |")
+    assert table[-1].startswith("| quant | 13 (1 / 0 / 3) | 3.50 | no: 8192: 4/30 < 27 %")

@@ -137,18 +137,23 @@ def test_options_round_trip_and_old_dicts_load():
         QuantCacheConfig.from_dict({**cfg.to_dict(), "future": 1})
 
 
-def test_rotation_with_calibrated_codebooks_raises_and_file_keeps_options(tmp_path):
+def test_calibrated_codebooks_go_to_unrotated_streams_only_and_file_keeps_options(tmp_path):
     config = make_model("llama").config
-    options = QuantCacheConfig(bits=4, rotation="hadamard", codebooks=False).to_dict()
-    data = CalibrationData(model_fingerprint(config), options, {},
-                           {i: {"k_codebook": torch.linspace(0, 1, 16), "v_codebook": torch.linspace(0, 1, 16)}
-                            for i in range(2)})
+    options = QuantCacheConfig(bits=4, rotation="hadamard", rotate="kv", codebooks=False).to_dict()
+    levels = {i: {"k_codebook": torch.linspace(0, 1, 16) ** 2, "v_codebook": torch.linspace(0, 1, 16) ** 3}
+              for i in range(2)}
+    data = CalibrationData(model_fingerprint(config), options, {}, levels)
     loaded = load_calibration(save_calibration(tmp_path / "rot.safetensors", data))
     assert loaded.options == options
     cache = QuantCache.from_calibration(tmp_path / "rot.safetensors", config)  # the file's options: no codebooks
     assert cache.options.rotation == "hadamard" and not cache.layers[0].k_codec.codebook
-    with pytest.raises(ValueError, match=r"codebooks were fitted to unrotated keys and values; allowed: codebooks=False"):
-        QuantCache.from_calibration(tmp_path / "rot.safetensors", config, codebooks=True)
+    # values rotated (Gaussian "norm" levels), keys unrotated: the keys take the file's levels, the values do not
+    keys_only = QuantCache.from_calibration(tmp_path / "rot.safetensors", config, rotate="v", codebooks=True)
+    layer = keys_only.layers[0]
+    assert layer.k_codec.codebook and torch.equal(layer.consts["k"]["codebook"], levels[0]["k_codebook"])
+    assert layer.consts["v"]["codebook"] is None and keys_only.options.v_scale == "norm"
+    with pytest.raises(ValueError, match=r"leaves no stream the file's codebooks were fitted for"):
+        QuantCache.from_calibration(tmp_path / "rot.safetensors", config, codebooks=True)  # both streams rotated
 
 
 # --- what the cache reads back -------------------------------------------------------------------------------------
