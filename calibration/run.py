@@ -18,7 +18,7 @@ from qcache.calibfile import CalibrationData
 from qcache.config import QuantCacheConfig
 from qcache.rope import RopeHelper, has_rope
 
-from .budget import allocate, measure_sensitivities, plan_bits_per_value
+from .budget import allocate, choose_rotate, measure_sensitivities, plan_bits_per_value, reference_logprobs
 from .collect import collect_statistics
 from .fit import CLIP_CANDIDATES, fit_codebook, fit_static_key_range, key_samples, value_samples
 
@@ -59,25 +59,37 @@ def kv_absmax(stats: dict[int, dict[str, torch.Tensor]], text_config, seq_len: i
 
 def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, settings: dict, seed: int = 0,
               progress: bool = True, budget: float | None = None, context: int | None = None,
-              sensitivity_ids: torch.Tensor | None = None) -> CalibrationData:
+              sensitivity_ids: torch.Tensor | None = None, choose_rotation: bool = False) -> CalibrationData:
     """Run `model` over `input_ids` [N, L] and fit, for every full-attention layer (and sliding layers when
     `options.sliding_layers == "quantized"`): key/value codebooks for the layer's k_bits/v_bits and static key ranges;
     and for every layer the K (after RoPE) / V ranges (`kv_absmax`).
 
     With `budget` (bits/value at `context` tokens): per-layer widths first (`calibration.budget`: sensitivities
     measured on `sensitivity_ids` [N, L], greedy allocation), stored as the file's `layer_bits`, the sensitivities in
-    its settings."""
+    its settings.
+
+    With `choose_rotation`: whether keys are rotated too (`rotate="v"` or `"kv"`) is chosen first, by the KL each
+    gives on `sensitivity_ids` (`calibration.budget.choose_rotate`), and stored with the options; both KLs go into
+    the settings (`rotate_kl`)."""
     torch.manual_seed(seed)
     text_config = model.config.get_text_config(decoder=True)
     fingerprint = model_fingerprint(text_config)
     layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
     wanted = {i for i, t in enumerate(layer_types)
               if t == "full_attention" or (t == "sliding_attention" and options.sliding_layers == "quantized")}
+    if (budget is not None or choose_rotation) and sensitivity_ids is None:
+        raise ValueError("a budget or a rotation choice needs the sequences to measure on (sensitivity_ids)")
+    reference = reference_logprobs(model, sensitivity_ids) if sensitivity_ids is not None else None
+    if choose_rotation:
+        options, kls = choose_rotate(model, sensitivity_ids, options, reference=reference)
+        settings = {**settings, "rotate_kl": kls}
+        log.info("rotate=%r chosen (KL on the calibration text: %s)", options.rotate, kls)
     if budget is not None:
-        if context is None or sensitivity_ids is None:
-            raise ValueError("a budget needs the context it is counted at and the sequences to measure on")
+        if context is None:
+            raise ValueError("a budget needs the context it is counted at")
         quantized = sorted(wanted)
-        sens, base_kl = measure_sensitivities(model, sensitivity_ids, options, quantized, progress=progress)
+        sens, base_kl = measure_sensitivities(model, sensitivity_ids, options, quantized, progress=progress,
+                                              reference=reference)
         heads, head_dim = fingerprint["num_key_value_heads"], fingerprint["head_dim"]
         plan = allocate(sens, options, budget, len(layer_types), quantized, heads, head_dim, context)
         options = dataclasses.replace(options, bits=None, layer_bits=plan)

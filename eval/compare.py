@@ -134,7 +134,8 @@ def _failed(spec: CacheSpec, err: Exception) -> str:
 
 def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     """`calibration=auto`: calibrate the loaded model for this spec's options on the calibration split (text the
-    evaluation never reads) and use the file; other options are returned unchanged."""
+    evaluation never reads) and use the file; other options are returned unchanged. With a rotation and no `rotate`
+    in the spec, the calibration also chooses whether keys are rotated (`calibration.budget.choose_rotate`)."""
     if spec.options.get("calibration") != "auto":
         if "bits_per_value" in spec.options:
             raise ValueError(f"bits_per_value={spec.options['bits_per_value']} needs calibration=auto (the widths are "
@@ -157,7 +158,9 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     path = default_cache_dir() / "calibration" / f"{name}-{spec.label}.qcache.safetensors".replace("/", "_")
     start = time.perf_counter()
     log.info("%s: calibrating %s on the calibration split first (progress below)", spec.label, name)
-    save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True, budget=budget))
+    choose = config.rotation != "none" and "rotate" not in options  # keys rotated too, if that measures better
+    save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True, budget=budget,
+                                           choose_rotation=choose))
     log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
     return {**{k: v for k, v in spec.options.items() if k != "bits_per_value"}, "calibration": str(path)}
 

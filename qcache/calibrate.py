@@ -5,13 +5,15 @@
     python -m qcache.calibrate --model ./my-hf-dir --data my_text.jsonl --samples 32 --seq-len 1024 --out x.safetensors
     python -m qcache.calibrate --model smollm2-135m --save-dir out/smollm2-qcache-4bit --quality eval.md
     python -m qcache.calibrate --model smollm2-135m --push-to-hub org/smollm2-qcache-4bit
-    python -m qcache.calibrate --model smollm2-135m --bits-per-value 3.5 --option rotation=hadamard \
-        --option v_scale=norm --option codebooks=false --out plan.safetensors     # per-layer widths
+    python -m qcache.calibrate --model smollm2-135m --bits-per-value 3.5 --out plan.safetensors   # per-layer widths
 
 `--bits-per-value B` also chooses one (k_bits, v_bits) per layer within B bits/value at `--context` tokens
 (calibration/budget.py: each layer's keys and values measured at 2, 3 and 4 bits on `--sensitivity-samples`
 sequences of `--sensitivity-len` tokens, then a greedy allocation) and stores them as the file's `layer_bits`.
 `--option NAME=VALUE` sets any other QuantCacheConfig option stored with the file (and used for the measurement).
+With a rotation (the default: values rotated) and no `--option rotate=`, the calibration also measures whether this
+model's keys should be rotated too (`rotate="kv"`: KL on held-in text with and without, `--choose-rotation`) and
+stores the better one. The file's key codebooks apply where keys stay unrotated.
 
 Default data: dataset_build's English prose, the part evaluation never reads (qcache.data "calibration" split).
 `--save-dir` writes a folder laid out like a hub repo (the file + a README.md model card naming the model, the
@@ -69,12 +71,14 @@ def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int
 
 def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
                     samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str | None = None,
-                    progress: bool = True, budget: dict | None = None):
+                    progress: bool = True, budget: dict | None = None, choose_rotation: bool = False,
+                    measure: tuple[int, int] = (1, 2048)):
     """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved).
 
     `dtype` is recorded in the file's settings; None records the dtype the model's weights are in. `budget`
     ({"budget": bits/value, "context": tokens, "samples": n, "seq_len": L}) also chooses per-layer widths, measured
-    on n other sequences of L tokens of the same text."""
+    on n other sequences of L tokens of the same text. `choose_rotation` chooses whether keys are rotated too
+    (`calibration.budget.choose_rotate`), measured on those sequences, or on `measure` = (n, L) without a budget."""
     from calibration import calibrate
 
     from .data import read_split, sha256_of_split
@@ -90,11 +94,14 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     settings = {"model": model_name, "data_source": source, "data_sha256": sha, "samples": samples,
                 "seq_len": seq_len, "dtype": dtype}
-    if budget is None:
+    if budget is None and not choose_rotation:
         return calibrate(model, ids, options, settings, seed=seed, progress=progress)
-    sens_ids = sample_sequences(tokenizer, text, budget["samples"], budget["seq_len"], seed + 1)
-    return calibrate(model, ids, options, settings, seed=seed, progress=progress, budget=budget["budget"],
-                     context=budget["context"], sensitivity_ids=sens_ids)
+    n, length = (budget["samples"], budget["seq_len"]) if budget is not None else measure
+    sens_ids = sample_sequences(tokenizer, text, n, length, seed + 1)
+    return calibrate(model, ids, options, settings, seed=seed, progress=progress,
+                     budget=budget["budget"] if budget is not None else None,
+                     context=budget["context"] if budget is not None else None, sensitivity_ids=sens_ids,
+                     choose_rotation=choose_rotation)
 
 
 def parse_option(text: str) -> tuple[str, object]:
@@ -136,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits for values")
     p.add_argument("--static-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="store the option to quantize keys with static calibrated ranges (default: QuantCacheConfig)")
-    p.add_argument("--outliers", type=int, default=1,
-                   help="QuantCacheConfig.outliers stored with the file; codebooks are fitted without them (default 1: "
-                        "the best calibrated 4-bit row per byte in docs/results/calibration-smollm2.md; 0: off)")
+    p.add_argument("--outliers", type=int, default=None,
+                   help="QuantCacheConfig.outliers stored with the file; codebooks are fitted without them (default: "
+                        "QuantCacheConfig's, 0; outliers ask for min-max value groups instead of one scale per token)")
+    p.add_argument("--choose-rotation", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure whether keys are rotated too (rotate='v' or 'kv', the lower KL on --sensitivity-samples "
+                        "sequences of --sensitivity-len tokens) and store the choice (default: on with a rotation "
+                        "unless --option rotate= is given)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="any other QuantCacheConfig option stored with the file (repeatable)")
     p.add_argument("--bits-per-value", type=float,
@@ -146,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int,
                    help="with --bits-per-value: the context the budget is counted at (default: the model's maximum)")
     p.add_argument("--sensitivity-samples", type=int, default=1,
-                   help="with --bits-per-value: sequences the layer sensitivities are measured on (default 1)")
+                   help="sequences the layer sensitivities and the rotation choice are measured on (default 1)")
     p.add_argument("--sensitivity-len", type=int, default=2048,
-                   help="with --bits-per-value: tokens per such sequence (default 2048)")
+                   help="tokens per such sequence (default 2048)")
     p.add_argument("--data", type=Path, help="a .txt or .jsonl ('text' field) file; default: the calibration split")
     p.add_argument("--samples", type=int, default=16, help="sequences of calibration text")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
@@ -179,12 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"k_bits": args.k_bits or args.bits or 4, "v_bits": args.v_bits or args.bits or 4}
     if args.static_keys is not None:
         opts["static_keys"] = args.static_keys
-    opts["outliers"] = args.outliers
+    if args.outliers is not None:
+        opts["outliers"] = args.outliers
     try:
         opts.update(parse_option(text) for text in args.option)
         options = QuantCacheConfig(**opts)
     except ValueError as err:
         p.error(str(err))
+    choose_rotation = args.choose_rotation
+    if choose_rotation is None:
+        choose_rotation = options.rotation != "none" and "rotate" not in opts
+    elif choose_rotation and options.rotation == "none":
+        p.error("--choose-rotation needs a rotation; these options have rotation='none' (allowed: "
+                "--no-choose-rotation, or --option rotation=hadamard)")
     from .cache import _check_calibration_options
 
     try:  # a file whose options refuse its own codebooks would not load
@@ -201,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = {"budget": args.bits_per_value, "context": context, "samples": args.sensitivity_samples,
                   "seq_len": args.sensitivity_len}
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
-                           args.dtype, budget=budget)
+                           args.dtype, budget=budget, choose_rotation=choose_rotation,
+                           measure=(args.sensitivity_samples, args.sensitivity_len))
     data.settings["seconds"] = round(time.perf_counter() - t0, 1)
     with tempfile.TemporaryDirectory() as tmp:
         path = save_calibration(args.out or Path(tmp) / hub.CALIBRATION_FILENAME, data)

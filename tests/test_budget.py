@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from calibration.budget import allocate, measure_sensitivities, plan_bits_per_value
+from calibration import calibrate
+from calibration.budget import allocate, choose_rotate, measure_sensitivities, plan_bits_per_value
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import load_calibration
@@ -148,8 +149,8 @@ def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
         compare.auto_calibration(None, None, CacheSpec.parse("quant::bits_per_value=3.5"))
     seen = {}
 
-    def fake_calibrate(model, tokenizer, config, name, progress=True, budget=None):
-        seen.update(config=config, budget=budget)
+    def fake_calibrate(model, tokenizer, config, name, progress=True, budget=None, choose_rotation=False):
+        seen.update(config=config, budget=budget, choose_rotation=choose_rotation)
         raise RuntimeError("stop here")
 
     monkeypatch.setattr("qcache.calibrate.calibrate_model", fake_calibrate)
@@ -157,3 +158,31 @@ def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
         compare.auto_calibration(make_model("llama"), None, spec)
     assert seen["budget"] == {"budget": 3.5, "samples": 1, "seq_len": 2048, "context": 1024}
     assert seen["config"].rotation == "hadamard" and not seen["config"].codebooks
+    assert seen["choose_rotation"]  # no rotate= in the spec: the calibration measures whether keys rotate too
+    with pytest.raises(RuntimeError, match="stop here"):
+        compare.auto_calibration(make_model("llama"), None, CacheSpec.parse("quant:3:calibration=auto,rotate=v"))
+    assert not seen["choose_rotation"] and seen["budget"] is None
+
+
+def test_choose_rotate_keeps_the_lower_kl_and_resolves_the_rest():
+    model = make_model("llama")
+    ids = torch.randint(2, 96, (1, 96), generator=torch.Generator().manual_seed(4))
+    opts = QuantCacheConfig(bits=2, k_group_size=16, recent_tokens=4, sink_tokens=2)
+    chosen, kls = choose_rotate(model, ids, opts, chunk=32)
+    assert set(kls) == {"v", "kv"} and all(v > 0 for v in kls.values())
+    assert kls["v"] != kls["kv"] and chosen.rotate == min(kls, key=kls.get)
+    assert chosen.v_scale == "norm" and chosen.codebooks == (chosen.rotate == "v")  # rotated keys take no codebook
+    with pytest.raises(ValueError, match="needs rotation='hadamard'"):
+        choose_rotate(model, ids, QuantCacheConfig(bits=2, rotation="none"))
+
+
+def test_calibration_stores_the_rotation_choice():
+    model = make_model("llama")
+    ids = torch.randint(2, 96, (2, 64), generator=torch.Generator().manual_seed(5))
+    sens = torch.randint(2, 96, (1, 96), generator=torch.Generator().manual_seed(6))
+    opts = QuantCacheConfig(bits=2, k_group_size=16, recent_tokens=4, sink_tokens=2)
+    data = calibrate(model, ids, opts, {}, progress=False, sensitivity_ids=sens, choose_rotation=True)
+    kls = data.settings["rotate_kl"]
+    assert kls["v"] != kls["kv"] and data.options["rotate"] == min(kls, key=kls.get)
+    with pytest.raises(ValueError, match="needs the sequences to measure on"):
+        calibrate(model, ids, opts, {}, progress=False, choose_rotation=True)
