@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from qcache.config import QuantCacheConfig
 
-__all__ = ["measure_sensitivities", "choose_rotate", "reference_logprobs", "allocate", "plan_bits_per_value", "WIDTHS"]
+__all__ = ["measure_sensitivities", "choose_rotate", "KEY_CHOICES", "reference_logprobs", "allocate", "plan_bits_per_value", "WIDTHS"]
 
 WIDTHS = (2, 3, 4)
 _BASE = 8  # every other layer's width while one (layer, stream) is measured
@@ -67,26 +67,37 @@ def reference_logprobs(model, input_ids: torch.Tensor, chunk: int = 256) -> list
     return reference
 
 
+# the key layouts `choose_rotate` tries: (rotate, levels); rotated keys look Gaussian, so Lloyd-Max levels may fit them
+KEY_CHOICES = (("v", "uniform"), ("kv", "uniform"), ("kv", "lloyd-max"))
+
+
 @torch.no_grad()
 def choose_rotate(model, input_ids: torch.Tensor, options: QuantCacheConfig, chunk: int = 256,
-                  reference: list[torch.Tensor] | None = None) -> tuple[QuantCacheConfig, dict[str, float]]:
-    """Whether this model's keys should be rotated too: the KL (against the default cache, scored like
-    `measure_sensitivities`) of `options` with values rotated only (`rotate="v"`, the default) and with keys and
-    values rotated (`rotate="kv"`), calibrated codebooks left out of both. Returns `options` with the lower one (the
-    options that follow from `rotate` re-resolved) and the two KLs. Keys rotated help some models and hurt others
-    (SmolLM2-135M at 2 bits: Δ PPL +15 % unrotated, +5 % rotated; Gemma-3-270M the other way round)."""
+                  reference: list[torch.Tensor] | None = None, try_levels: bool = True
+                  ) -> tuple[QuantCacheConfig, dict[str, float]]:
+    """Whether this model's keys should be rotated too, and with which levels: the KL (against the default cache,
+    scored like `measure_sensitivities`) of `options` with values rotated only (`rotate="v"`, the default), with keys
+    and values rotated (`rotate="kv"`) and, with `try_levels`, rotated keys on data-free Lloyd-Max levels
+    (`KEY_CHOICES`); calibrated codebooks are left out of all. Returns `options` with the lowest (the options that
+    follow from them re-resolved) and the KLs by name ("v", "kv", "kv+lloyd-max"). Rotated keys help some models and
+    hurt others (SmolLM2-135M at 2 bits: Δ PPL +15 % unrotated, +5 % rotated; Gemma-3-270M the other way round)."""
     from qcache.cache import QuantCache
 
     if options.rotation == "none":
         raise ValueError("choosing which streams to rotate needs rotation='hadamard'; got rotation='none'")
     if reference is None:
         reference = reference_logprobs(model, input_ids, chunk)
-    kls = {}
-    for rotate in ("v", "kv"):
-        opts = QuantCacheConfig.overridden(options.to_dict(), {"rotate": rotate, "codebooks": False})
-        kls[rotate] = _kl_of(model, input_ids, lambda: QuantCache(model.config, options=opts), reference, chunk)
-    best = min(kls, key=kls.get)
-    return QuantCacheConfig.overridden(options.to_dict(), {"rotate": best}), kls
+    kls, chosen = {}, {}
+    for rotate, levels in KEY_CHOICES:
+        if levels != "uniform" and not try_levels:
+            continue
+        name = rotate if levels == "uniform" else f"{rotate}+{levels}"
+        change = {"rotate": rotate} if levels == "uniform" else {"rotate": rotate, "levels": levels}
+        opts = QuantCacheConfig.overridden(options.to_dict(), {**change, "codebooks": False})
+        kls[name] = _kl_of(model, input_ids, lambda: QuantCache(model.config, options=opts), reference, chunk)
+        chosen[name] = change
+    best = min(kls, key=kls.get)  # a tie keeps the first: keys unrotated
+    return QuantCacheConfig.overridden(options.to_dict(), chosen[best]), kls
 
 
 @torch.no_grad()

@@ -59,7 +59,8 @@ def kv_absmax(stats: dict[int, dict[str, torch.Tensor]], text_config, seq_len: i
 
 def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, settings: dict, seed: int = 0,
               progress: bool = True, budget: float | None = None, context: int | None = None,
-              sensitivity_ids: torch.Tensor | None = None, choose_rotation: bool = False) -> CalibrationData:
+              sensitivity_ids: torch.Tensor | None = None, choose_rotation: bool = False,
+              try_levels: bool = True) -> CalibrationData:
     """Run `model` over `input_ids` [N, L] and fit, for every full-attention layer (and sliding layers when
     `options.sliding_layers == "quantized"`): key/value codebooks for the layer's k_bits/v_bits and static key ranges;
     and for every layer the K (after RoPE) / V ranges (`kv_absmax`).
@@ -68,9 +69,9 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
     measured on `sensitivity_ids` [N, L], greedy allocation), stored as the file's `layer_bits`, the sensitivities in
     its settings.
 
-    With `choose_rotation`: whether keys are rotated too (`rotate="v"` or `"kv"`) is chosen first, by the KL each
-    gives on `sensitivity_ids` (`calibration.budget.choose_rotate`), and stored with the options; both KLs go into
-    the settings (`rotate_kl`)."""
+    With `choose_rotation`: whether keys are rotated too (`rotate="v"` or `"kv"`, rotated keys also on Lloyd-Max
+    levels with `try_levels`) is chosen first, by the KL each gives on `sensitivity_ids`
+    (`calibration.budget.choose_rotate`), and stored with the options; the KLs go into the settings (`rotate_kl`)."""
     torch.manual_seed(seed)
     text_config = model.config.get_text_config(decoder=True)
     fingerprint = model_fingerprint(text_config)
@@ -81,9 +82,9 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
         raise ValueError("a budget or a rotation choice needs the sequences to measure on (sensitivity_ids)")
     reference = reference_logprobs(model, sensitivity_ids) if sensitivity_ids is not None else None
     if choose_rotation:
-        options, kls = choose_rotate(model, sensitivity_ids, options, reference=reference)
+        options, kls = choose_rotate(model, sensitivity_ids, options, reference=reference, try_levels=try_levels)
         settings = {**settings, "rotate_kl": kls}
-        log.info("rotate=%r chosen (KL on the calibration text: %s)", options.rotate, kls)
+        log.info("rotate=%r, levels=%r chosen (KL on the calibration text: %s)", options.rotate, options.levels, kls)
     if budget is not None:
         if context is None:
             raise ValueError("a budget needs the context it is counted at")

@@ -160,7 +160,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     log.info("%s: calibrating %s on the calibration split first (progress below)", spec.label, name)
     choose = config.rotation != "none" and "rotate" not in options  # keys rotated too, if that measures better
     save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True, budget=budget,
-                                           choose_rotation=choose))
+                                           choose_rotation=choose, try_levels="levels" not in options))
     log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
     return {**{k: v for k, v in spec.options.items() if k != "bits_per_value"}, "calibration": str(path)}
 

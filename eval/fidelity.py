@@ -119,10 +119,11 @@ MODEL_DEFAULTS = {
     "gemma3-270m": ModelDefaults(context=32768, docs=2, lengths=(8192, 16384, 32768),
                                  note="Gemma-3-270M's maximum context"),
 }
-# the calibrated rows: the calibration file's codebooks, which apply to unrotated keys and values
-DEFAULT_CACHES = ("default", "quant:8", "quant:4", "quant:3", "quant:2", "quant:4:calibration=auto,rotation=none",
-                  "quant:3:calibration=auto,rotation=none", "quant:2:calibration=auto,rotation=none", "hf-quanto:4",
-                  "hf-quanto:2", "hf-hqq:4", "hf-hqq:2", "hf-fp8")
+# the calibrated rows: the defaults, with whether keys are rotated too chosen on the calibration split and the file's
+# key codebooks where keys stay unrotated (`python -m qcache.calibrate`'s defaults)
+DEFAULT_CACHES = ("default", "quant:8", "quant:4", "quant:3", "quant:2", "quant:4:calibration=auto",
+                  "quant:3:calibration=auto", "quant:2:calibration=auto", "hf-quanto:4", "hf-quanto:2", "hf-hqq:4",
+                  "hf-hqq:2", "hf-fp8")
 REFERENCE = "default"
 _HF_RESIDUAL = 128  # Transformers' quantized caches keep this many tokens unquantized, then re-quantize everything
 

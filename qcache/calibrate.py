@@ -12,8 +12,8 @@
 sequences of `--sensitivity-len` tokens, then a greedy allocation) and stores them as the file's `layer_bits`.
 `--option NAME=VALUE` sets any other QuantCacheConfig option stored with the file (and used for the measurement).
 With a rotation (the default: values rotated) and no `--option rotate=`, the calibration also measures whether this
-model's keys should be rotated too (`rotate="kv"`: KL on held-in text with and without, `--choose-rotation`) and
-stores the better one. The file's key codebooks apply where keys stay unrotated.
+model's keys should be rotated too (`rotate="kv"`, also on Lloyd-Max levels: KL on held-in text for each,
+`--choose-rotation`) and stores the best. The file's key codebooks apply where keys stay unrotated.
 
 Default data: dataset_build's English prose, the part evaluation never reads (qcache.data "calibration" split).
 `--save-dir` writes a folder laid out like a hub repo (the file + a README.md model card naming the model, the
@@ -72,13 +72,14 @@ def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int
 def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
                     samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str | None = None,
                     progress: bool = True, budget: dict | None = None, choose_rotation: bool = False,
-                    measure: tuple[int, int] = (1, 2048)):
+                    measure: tuple[int, int] = (1, 2048), try_levels: bool = True):
     """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved).
 
     `dtype` is recorded in the file's settings; None records the dtype the model's weights are in. `budget`
     ({"budget": bits/value, "context": tokens, "samples": n, "seq_len": L}) also chooses per-layer widths, measured
     on n other sequences of L tokens of the same text. `choose_rotation` chooses whether keys are rotated too
-    (`calibration.budget.choose_rotate`), measured on those sequences, or on `measure` = (n, L) without a budget."""
+    (`calibration.budget.choose_rotate`; rotated keys also tried on Lloyd-Max levels with `try_levels`), measured on
+    those sequences, or on `measure` = (n, L) without a budget."""
     from calibration import calibrate
 
     from .data import read_split, sha256_of_split
@@ -101,7 +102,7 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
     return calibrate(model, ids, options, settings, seed=seed, progress=progress,
                      budget=budget["budget"] if budget is not None else None,
                      context=budget["context"] if budget is not None else None, sensitivity_ids=sens_ids,
-                     choose_rotation=choose_rotation)
+                     choose_rotation=choose_rotation, try_levels=try_levels)
 
 
 def parse_option(text: str) -> tuple[str, object]:
@@ -147,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="QuantCacheConfig.outliers stored with the file; codebooks are fitted without them (default: "
                         "QuantCacheConfig's, 0; outliers ask for min-max value groups instead of one scale per token)")
     p.add_argument("--choose-rotation", action=argparse.BooleanOptionalAction, default=None,
-                   help="measure whether keys are rotated too (rotate='v' or 'kv', the lower KL on --sensitivity-samples "
-                        "sequences of --sensitivity-len tokens) and store the choice (default: on with a rotation "
-                        "unless --option rotate= is given)")
+                   help="measure whether keys are rotated too (rotate='v', 'kv', or 'kv' with levels='lloyd-max' unless "
+                        "--option levels= is given: the lowest KL on --sensitivity-samples sequences of "
+                        "--sensitivity-len tokens) and store the choice (default: on with a rotation unless --option "
+                        "rotate= is given)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="any other QuantCacheConfig option stored with the file (repeatable)")
     p.add_argument("--bits-per-value", type=float,
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                   "seq_len": args.sensitivity_len}
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
                            args.dtype, budget=budget, choose_rotation=choose_rotation,
-                           measure=(args.sensitivity_samples, args.sensitivity_len))
+                           measure=(args.sensitivity_samples, args.sensitivity_len), try_levels="levels" not in opts)
     data.settings["seconds"] = round(time.perf_counter() - t0, 1)
     with tempfile.TemporaryDirectory() as tmp:
         path = save_calibration(args.out or Path(tmp) / hub.CALIBRATION_FILENAME, data)

@@ -149,8 +149,9 @@ def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
         compare.auto_calibration(None, None, CacheSpec.parse("quant::bits_per_value=3.5"))
     seen = {}
 
-    def fake_calibrate(model, tokenizer, config, name, progress=True, budget=None, choose_rotation=False):
-        seen.update(config=config, budget=budget, choose_rotation=choose_rotation)
+    def fake_calibrate(model, tokenizer, config, name, progress=True, budget=None, choose_rotation=False,
+                       try_levels=True):
+        seen.update(config=config, budget=budget, choose_rotation=choose_rotation, try_levels=try_levels)
         raise RuntimeError("stop here")
 
     monkeypatch.setattr("qcache.calibrate.calibrate_model", fake_calibrate)
@@ -169,9 +170,13 @@ def test_choose_rotate_keeps_the_lower_kl_and_resolves_the_rest():
     ids = torch.randint(2, 96, (1, 96), generator=torch.Generator().manual_seed(4))
     opts = QuantCacheConfig(bits=2, k_group_size=16, recent_tokens=4, sink_tokens=2)
     chosen, kls = choose_rotate(model, ids, opts, chunk=32)
-    assert set(kls) == {"v", "kv"} and all(v > 0 for v in kls.values())
-    assert kls["v"] != kls["kv"] and chosen.rotate == min(kls, key=kls.get)
-    assert chosen.v_scale == "norm" and chosen.codebooks == (chosen.rotate == "v")  # rotated keys take no codebook
+    assert set(kls) == {"v", "kv", "kv+lloyd-max"} and len(set(kls.values())) == 3
+    best = min(kls, key=kls.get)
+    assert (chosen.rotate, chosen.levels) == {"v": ("v", "uniform"), "kv": ("kv", "uniform"),
+                                              "kv+lloyd-max": ("kv", "lloyd-max")}[best]
+    assert chosen.v_scale == "norm" and chosen.codebooks == (best == "v")  # rotated keys take no codebook
+    _, two = choose_rotate(model, ids, opts, chunk=32, try_levels=False)
+    assert two == {k: kls[k] for k in ("v", "kv")}
     with pytest.raises(ValueError, match="needs rotation='hadamard'"):
         choose_rotate(model, ids, QuantCacheConfig(bits=2, rotation="none"))
 
@@ -183,6 +188,7 @@ def test_calibration_stores_the_rotation_choice():
     opts = QuantCacheConfig(bits=2, k_group_size=16, recent_tokens=4, sink_tokens=2)
     data = calibrate(model, ids, opts, {}, progress=False, sensitivity_ids=sens, choose_rotation=True)
     kls = data.settings["rotate_kl"]
-    assert kls["v"] != kls["kv"] and data.options["rotate"] == min(kls, key=kls.get)
+    best = min(kls, key=kls.get)
+    assert data.options["rotate"] == best.split("+")[0]
     with pytest.raises(ValueError, match="needs the sequences to measure on"):
         calibrate(model, ids, opts, {}, progress=False, choose_rotation=True)

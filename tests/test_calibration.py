@@ -195,5 +195,7 @@ def test_cli_writes_a_loadable_file(tmp_path, monkeypatch):
     assert data.options["outliers"] == 0  # QuantCacheConfig's default, as the cache uses it
     # a rotation and no rotate= given: the CLI measured whether keys are rotated too and stored the choice
     kls = data.settings["rotate_kl"]
-    assert set(kls) == {"v", "kv"} and kls[data.options["rotate"]] == min(kls.values())
+    assert set(kls) == {"v", "kv", "kv+lloyd-max"}
+    chosen = data.options["rotate"] + ("" if data.options["levels"] == "uniform" else "+" + data.options["levels"])
+    assert kls[chosen] == min(kls.values())
     assert len(data.settings["data_sha256"]) == 64
