@@ -58,13 +58,16 @@ def read_text(path: Path) -> str:
     return path.read_text()
 
 
-def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int) -> torch.Tensor:
-    """`samples` windows of `seq_len` tokens, chosen (seeded) among the non-overlapping windows of the text."""
+def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int,
+                     flags: str = "--samples/--seq-len") -> torch.Tensor:
+    """`samples` windows of `seq_len` tokens, chosen (seeded) among the non-overlapping windows of the text.
+
+    `flags` names the options the counts came from, for the error when the text is too short."""
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     windows = ids.numel() // seq_len
     if windows < samples:
         raise ValueError(f"the calibration text has {ids.numel()} tokens: {windows} windows of {seq_len}, "
-                         f"fewer than --samples {samples}")
+                         f"fewer than the {samples} asked for ({flags}; shorten them or give a longer --data)")
     pick = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
     return torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in pick.tolist()])
 
@@ -98,7 +101,7 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
     if budget is None and not choose_rotation:
         return calibrate(model, ids, options, settings, seed=seed, progress=progress)
     n, length = (budget["samples"], budget["seq_len"]) if budget is not None else measure
-    sens_ids = sample_sequences(tokenizer, text, n, length, seed + 1)
+    sens_ids = sample_sequences(tokenizer, text, n, length, seed + 1, "--sensitivity-samples/--sensitivity-len")
     return calibrate(model, ids, options, settings, seed=seed, progress=progress,
                      budget=budget["budget"] if budget is not None else None,
                      context=budget["context"] if budget is not None else None, sensitivity_ids=sens_ids,

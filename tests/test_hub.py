@@ -234,7 +234,8 @@ def cli(tmp_path, monkeypatch):
     text.write_text("\n".join(json.dumps({"text": " ".join(f"w{i}" for i in range(j, j + 150))}) for j in range(3)))
     quality = tmp_path / "quality.md"
     quality.write_text(QUALITY)
-    common = ["--model", "tiny", "--data", str(text), "--samples", "2", "--seq-len", "64", "--bits", "3"]
+    common = ["--model", "tiny", "--data", str(text), "--samples", "2", "--seq-len", "64", "--bits", "3",
+              "--sensitivity-len", "64"]
     return lambda *extra: cli_module.main(common + list(extra)), quality
 
 
@@ -272,3 +273,9 @@ def test_cli_push_offline_fails_before_calibrating(cli, hf_cache, capsys, monkey
     with pytest.raises(SystemExit):
         run("--push-to-hub", REPO)
     assert "needs the network, but HF_HUB_OFFLINE=1" in capsys.readouterr().err
+
+
+def test_cli_too_short_text_names_the_measurement_flags(cli, tmp_path):
+    run, _ = cli
+    with pytest.raises(ValueError, match=r"450 tokens.*--sensitivity-samples/--sensitivity-len"):
+        run("--sensitivity-len", "4096", "--out", str(tmp_path / "x.safetensors"))
