@@ -146,9 +146,11 @@ def test_rotate_one_stream(rotate):
     assert mem.rotation == 32 * 32 * 4 and mem.total == reachable_bytes(cache)
 
 
-COMPILED = dict(bits=3, rotate="v", **NORM, **OPTS)  # one compile covers the norm codec and one-stream rotation
+# one compile covers the norm codec, one-stream rotation, 3-bit keys and the 8-bit residual window
+COMPILED = dict(bits=3, rotate="v", window_bits=8, **NORM, **OPTS)
 
 
 def test_compiled_read_and_fused_decode_with_norm_values():
     fused = compiled_matches_eager(make_model("llama").config, **COMPILED)
+    assert fused.layers[0].cfg.window_bits == 8 and fused.layers[0].cfg.v_scale == "norm"
     fused_decode_matches_read(fused.layers[0], 73)

@@ -1,13 +1,12 @@
 """window_bits=8: the residual window (recent tokens and the block being filled) held 8-bit per token. It reads back
-within 8-bit error, costs what `bytes_per_token` says, and works with crop, beam search, the compiled read and the
-fused decode."""
+within 8-bit error, costs what `bytes_per_token` says, and works with crop and beam search (the compiled read and
+the fused decode with it: tests/test_norm_values.py)."""
 
 import pytest
 import torch
 from transformers import DynamicCache
 
 from conftest import make_model
-from kv_checks import compiled_matches_eager, fused_decode_matches_read
 from qcache import QuantCache, QuantCacheConfig
 from qcache.footprint import reachable_bytes
 from test_cache import assert_greedy_agrees, generate, logits, prompt
@@ -77,8 +76,3 @@ def test_8bit_window_forward_generate_crop_and_beams():
     after = cache.layers[0].read()
     for b, a in zip(before, after):
         assert torch.equal(a, b[[1, 0, 1]])
-
-
-def test_compiled_read_and_fused_decode_with_an_8bit_window():
-    fused = compiled_matches_eager(make_model("llama").config, bits=3, window_bits=8, **OPTS)
-    fused_decode_matches_read(fused.layers[0], 73)
