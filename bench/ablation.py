@@ -2,7 +2,7 @@
 lever taken out of (or added to) the defaults, at each width, in one fidelity run at the model's full context.
 
     python bench/ablation.py --model smollm2-135m --out docs/results/ablation-smollm2-135m
-    python bench/ablation.py --model gemma3-270m --bits 3 2 --extra sliding8 --out docs/results/ablation-gemma3-270m
+    python bench/ablation.py --model gemma3-270m --bits 3 --data-free --extra sliding8 --threads 1
     python bench/ablation.py --render docs/results/ablation-smollm2-135m.json     # the table again, from the JSON
 
 Every row names all its options explicitly (none is left to the defaults of the day), so the table keeps its
@@ -57,15 +57,17 @@ def _spec(bits: int, options: dict) -> str:
     return f"quant:{bits}:" + ",".join(f"{k}={options[k]}" for k in order)
 
 
-def plan(widths: list[int], extra: list[str]) -> list[dict]:
-    """The rows: per width, none, none + each lever, the defaults, the defaults ∓ each lever (and the extras)."""
+def plan(widths: list[int], extra: list[str], data_free: bool = False) -> list[dict]:
+    """The rows: per width, none, none + each lever, the defaults, the defaults ∓ each lever (and the extras);
+    `data_free` leaves out the calibrated rows."""
+    levers = {k: v for k, v in LEVERS.items() if not (data_free and "calibration" in v[0])}
     rows = []
     for bits in widths:
         rows.append({"bits": bits, "row": "none", "base": None, "spec": _spec(bits, NONE)})
-        for name, (on, _, _) in LEVERS.items():
+        for name, (on, _, _) in levers.items():
             rows.append({"bits": bits, "row": f"none + {name}", "base": "none", "spec": _spec(bits, {**NONE, **on})})
         rows.append({"bits": bits, "row": "defaults", "base": None, "spec": _spec(bits, DEFAULTS)})
-        changes = [(name, change) for _, name, change in LEVERS.values()] + [EXTRA[key] for key in extra]
+        changes = [(name, change) for _, name, change in levers.values()] + [EXTRA[key] for key in extra]
         for name, change in changes:
             rows.append({"bits": bits, "row": name, "base": "defaults", "spec": _spec(bits, {**DEFAULTS, **change})})
     return rows
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="short name or HF directory (default smollm2-135m)")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2], choices=[2, 3, 4], help="widths (default 4 3 2)")
     p.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA), help="extra rows on top of the defaults")
+    p.add_argument("--data-free", action="store_true",
+                   help="leave out the calibrated-codebook rows (each calibrates first: minutes per width)")
     p.add_argument("--docs", type=int, default=1, help="fidelity documents (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="output path without suffix (default docs/results/ablation-<model>)")
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from eval import fidelity
 
-    rows = plan(args.bits, args.extra)
+    rows = plan(args.bits, args.extra, args.data_free)
     out = Path(args.out or f"docs/results/ablation-{Path(args.model).name}")
     argv_f = ["--model", args.model, "--docs", str(args.docs), "--out", str(out), "--needle-caches",
               "--caches", "default", *[r["spec"] for r in rows]]

@@ -55,3 +55,10 @@ def test_table_ratios_against_the_row_changed():
     assert "ValueError: no" in body[4]
     defaults = next(i for i, line in enumerate(body) if line.startswith("| **defaults**"))
     assert body[defaults + 1].split(" | ")[3] == "0.50"  # against the defaults' 0.01
+
+
+def test_data_free_leaves_out_the_calibrated_rows_only():
+    full, free = ab.plan([3], ["sliding8"]), ab.plan([3], ["sliding8"], data_free=True)
+    assert len(full) - len(free) == 2 and not any("calibration" in r["spec"] for r in free)
+    assert {r["row"] for r in full} - {r["row"] for r in free} == {
+        "none + calibrated codebooks", "defaults + calibrated key codebooks"}
