@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA), help="extra rows on top of the defaults")
     p.add_argument("--data-free", action="store_true",
                    help="leave out the calibrated-codebook rows (each calibrates first: minutes per width)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per document (default: the model's full context)")
     p.add_argument("--docs", type=int, default=1, help="fidelity documents (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="output path without suffix (default docs/results/ablation-<model>)")
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
               "--caches", "default", *[r["spec"] for r in rows]]
     if args.threads is not None:
         argv_f += ["--threads", str(args.threads)]
+    if args.context is not None:
+        argv_f += ["--context", str(args.context)]
     if args.no_progress:
         argv_f.append("--no-progress")
     report = fidelity.main(argv_f)
