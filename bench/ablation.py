@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out the calibrated-codebook rows (each calibrates first: minutes per width)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per document (default: the model's full context)")
+    p.add_argument("--dtype", default=None, help="model weights' dtype (default: the fidelity runner's, bfloat16)")
     p.add_argument("--docs", type=int, default=1, help="fidelity documents (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="output path without suffix (default docs/results/ablation-<model>)")
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         argv_f += ["--threads", str(args.threads)]
     if args.context is not None:
         argv_f += ["--context", str(args.context)]
+    if args.dtype is not None:
+        argv_f += ["--dtype", args.dtype]
     if args.no_progress:
         argv_f.append("--no-progress")
     report = fidelity.main(argv_f)
