@@ -12,8 +12,10 @@ these (docs/results, one document each, KL against the default cache over the se
 - value rotation with `v_scale="norm"`: on SmolLM2-135M at 8192 tokens, 3-bit KL 0.0285 -> 0.0209 at 0.12 fewer
   bits/value (`levers2-smollm2-135m.md`, with keys rotated too); on Gemma-3-270M at 32768 tokens 0.0071 -> 0.0060
   (`levers2-gemma3-270m.md`).
-- keys unrotated: rotating keys costs Gemma-3 five times its KL (3-bit 0.0071 -> 0.035, keys rotated alone); on
-  SmolLM2 the 3-bit cache with keys unrotated measures KL 0.0133 against 0.0134 rotated (`window-smollm2-135m.md`).
+- keys unrotated: rotating keys costs Gemma-3 five to seven times its KL (3-bit 0.0071 -> 0.035, keys rotated
+  alone; 0.0049 -> 0.035 on top of these options at 8192 tokens, `ablation-gemma3-270m-table.md`); on SmolLM2 it
+  helps (3-bit KL 0.0118 -> 0.0069 on uniform levels, `ablation-smollm2-135m-table.md`): a per-model choice, which
+  a calibration file makes (`calibration.budget.choose_rotate`), not a data-free default.
 - 128-token key blocks and the window they leave in full precision: SmolLM2 3-bit KL 0.021 -> 0.013
   (`levers2-smollm2-135m.md`); without a recent window KL triples (`levers3-smollm2-135m.md`).
 - `window_bits=8`: the same quality at 0.24 fewer bits/value at 8k tokens (3-bit 3.72 -> 3.48, KL 0.0132 ->
