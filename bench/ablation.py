@@ -84,11 +84,9 @@ def render(report: dict, rows: list[dict]) -> str:
              f"git {git['commit'][:10]} ({'uncommitted changes' if git['dirty'] else 'clean tree'}); "
              f"{report['settings']['docs']} document(s), {report['settings']['scored_per_doc']} predictions scored per "
              f"document and cache (the second half of the context), KL and Δ PPL against the default cache in the "
-             f"same run (PPL {report['reference_ppl']:.3f}); weights in "
-             f"{report['settings'].get('dtype', 'bfloat16')}, and so the cache's full-precision parts (sinks; the window "
-             "with window_bits=16, which means the model's dtype); started {report['started']}. Every "
-             "row's options are "
-             "spelled out in the JSON (`options`). ΔKL: this row's KL over the KL of the row it changes ('none' or "
+             f"same run (PPL {report['reference_ppl']:.3f}); weights in {report['settings'].get('dtype', 'bfloat16')}, "
+             "and so are the cache's full-precision parts (sinks; the window with window_bits=16, held in the model's "
+             f"dtype); started {report['started']}. Every row's options are spelled out in the JSON (`options`). ΔKL: this row's KL over the KL of the row it changes ('none' or "
              "'defaults'); below 1 the lever helps.", ""]
     for bits in dict.fromkeys(r["bits"] for r in rows):
         lines += [f"## {bits}-bit keys and values", "",

@@ -49,6 +49,7 @@ def test_table_ratios_against_the_row_changed():
         "commit": "b" * 40, "dirty": False}, "command": "python -m eval.fidelity", "ablation_command": "x",
         "reference_ppl": 12.0, "started": "today", "fidelity": fidelity}
     table = ab.render(report, rows).splitlines()
+    assert "weights in bfloat16" in table[4] and "started today." in table[4]  # the header's fields filled in
     body = [line for line in table if line.startswith("| ")]
     assert body[1].startswith("| **none** | 3.50 | 0.0200")
     assert body[2].split(" | ")[3] == "0.25"  # 0.005 / 0.02 ('none + ...' against 'none')
