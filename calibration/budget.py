@@ -67,8 +67,9 @@ def reference_logprobs(model, input_ids: torch.Tensor, chunk: int = 256) -> list
     return reference
 
 
-# the key layouts `choose_rotate` tries: (rotate, levels); rotated keys look Gaussian, so Lloyd-Max levels may fit them
-KEY_CHOICES = (("v", "uniform"), ("kv", "uniform"), ("kv", "lloyd-max"))
+# the key layouts `choose_rotate` tries, by the name their KL is stored under: the options each changes (rotated keys
+# look Gaussian, so Lloyd-Max levels may fit them)
+KEY_CHOICES = {"v": {"rotate": "v"}, "kv": {"rotate": "kv"}, "kv+lloyd-max": {"rotate": "kv", "levels": "lloyd-max"}}
 
 
 @torch.no_grad()
@@ -87,17 +88,14 @@ def choose_rotate(model, input_ids: torch.Tensor, options: QuantCacheConfig, chu
         raise ValueError("choosing which streams to rotate needs rotation='hadamard'; got rotation='none'")
     if reference is None:
         reference = reference_logprobs(model, input_ids, chunk)
-    kls, chosen = {}, {}
-    for rotate, levels in KEY_CHOICES:
-        if levels != "uniform" and not try_levels:
+    kls = {}
+    for name, change in KEY_CHOICES.items():
+        if "levels" in change and not try_levels:
             continue
-        name = rotate if levels == "uniform" else f"{rotate}+{levels}"
-        change = {"rotate": rotate} if levels == "uniform" else {"rotate": rotate, "levels": levels}
         opts = QuantCacheConfig.overridden(options.to_dict(), {**change, "codebooks": False})
         kls[name] = _kl_of(model, input_ids, lambda: QuantCache(model.config, options=opts), reference, chunk)
-        chosen[name] = change
     best = min(kls, key=kls.get)  # a tie keeps the first: keys unrotated
-    return QuantCacheConfig.overridden(options.to_dict(), chosen[best]), kls
+    return QuantCacheConfig.overridden(options.to_dict(), KEY_CHOICES[best]), kls
 
 
 @torch.no_grad()

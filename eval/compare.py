@@ -141,7 +141,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
             raise ValueError(f"bits_per_value={spec.options['bits_per_value']} needs calibration=auto (the widths are "
                              "chosen by calibrating); allowed: calibration=auto,bits_per_value=B")
         return spec.options
-    from qcache.calibrate import calibrate_model, save_calibration
+    from qcache.calibrate import calibrate_model, rotation_choice, save_calibration
     from qcache.config import QuantCacheConfig
 
     from .options import parse_cache_options
@@ -158,9 +158,9 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     path = default_cache_dir() / "calibration" / f"{name}-{spec.label}.qcache.safetensors".replace("/", "_")
     start = time.perf_counter()
     log.info("%s: calibrating %s on the calibration split first (progress below)", spec.label, name)
-    choose = config.rotation != "none" and "rotate" not in options  # keys rotated too, if that measures better
+    choose, try_levels = rotation_choice(config, options)  # keys rotated too, if that measures better
     save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True, budget=budget,
-                                           choose_rotation=choose, try_levels="levels" not in options))
+                                           choose_rotation=choose, try_levels=try_levels))
     log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
     return {**{k: v for k, v in spec.options.items() if k != "bits_per_value"}, "calibration": str(path)}
 

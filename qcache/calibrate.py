@@ -72,6 +72,13 @@ def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int
     return torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in pick.tolist()])
 
 
+def rotation_choice(options: QuantCacheConfig, given: dict) -> tuple[bool, bool]:
+    """What a calibration measures by default for `options` built from the options `given` explicitly: whether keys
+    are rotated too (with a rotation, unless `rotate` was given) and whether rotated keys also try Lloyd-Max levels
+    (unless `levels` was given)."""
+    return options.rotation != "none" and "rotate" not in given, "levels" not in given
+
+
 def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
                     samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str | None = None,
                     progress: bool = True, budget: dict | None = None, choose_rotation: bool = False,
@@ -202,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         options = QuantCacheConfig(**opts)
     except ValueError as err:
         p.error(str(err))
+    choose_default, try_levels = rotation_choice(options, opts)
     choose_rotation = args.choose_rotation
     if choose_rotation is None:
-        choose_rotation = options.rotation != "none" and "rotate" not in opts
+        choose_rotation = choose_default
     elif choose_rotation and options.rotation == "none":
         p.error("--choose-rotation needs a rotation; these options have rotation='none' (allowed: "
                 "--no-choose-rotation, or --option rotation=hadamard)")
@@ -225,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                   "seq_len": args.sensitivity_len}
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
                            args.dtype, budget=budget, choose_rotation=choose_rotation,
-                           measure=(args.sensitivity_samples, args.sensitivity_len), try_levels="levels" not in opts)
+                           measure=(args.sensitivity_samples, args.sensitivity_len), try_levels=try_levels)
     data.settings["seconds"] = round(time.perf_counter() - t0, 1)
     with tempfile.TemporaryDirectory() as tmp:
         path = save_calibration(args.out or Path(tmp) / hub.CALIBRATION_FILENAME, data)
