@@ -86,8 +86,9 @@ def render(report: dict, rows: list[dict]) -> str:
              f"document and cache (the second half of the context), KL and Δ PPL against the default cache in the "
              f"same run (PPL {report['reference_ppl']:.3f}); weights in {report['settings'].get('dtype', 'bfloat16')}, "
              "and so are the cache's full-precision parts (sinks; the window with window_bits=16, held in the model's "
-             f"dtype); started {report['started']}. Every row's options are spelled out in the JSON (`options`). ΔKL: this row's KL over the KL of the row it changes ('none' or "
-             "'defaults'); below 1 the lever helps.", ""]
+             f"dtype); started {report['started']}. Every row's options are spelled out in the JSON (`options`). "
+             "ΔKL: this row's KL over the KL of the row it changes ('none' or 'defaults'); below 1 the lever helps.",
+             ""]
     for bits in dict.fromkeys(r["bits"] for r in rows):
         lines += [f"## {bits}-bit keys and values", "",
                   "| row | bits/value held | KL [95 %] | KL ratio | top-1 % | Δ PPL % [95 %] |",

@@ -81,7 +81,8 @@ def render(path: Path) -> str:
              f"Command: `{run['command']}`", "",
              f"git {git['commit'][:10]} ({'uncommitted changes' if git['dirty'] else 'clean tree'}); "
              f"{run['settings']['docs']} document(s), {run['settings']['scored_per_doc']} predictions scored per "
-             f"document and cache; weights (and the cache's full-precision parts) in {run['settings'].get('dtype', 'bfloat16')}; "
+             "document and cache; weights (and the cache's full-precision parts) in "
+             f"{run['settings'].get('dtype', 'bfloat16')}; "
              f"started {run['started']}.", ""]
     head = ["K/V bits", "rotation", "levels", "value scale", "key block", "recent", "window bits", "sliding",
             "calibrated",

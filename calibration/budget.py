@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 
 from qcache.config import QuantCacheConfig
 
-__all__ = ["measure_sensitivities", "choose_rotate", "KEY_CHOICES", "reference_logprobs", "allocate", "plan_bits_per_value", "WIDTHS"]
+__all__ = ["measure_sensitivities", "choose_rotate", "KEY_CHOICES", "reference_logprobs", "allocate",
+           "plan_bits_per_value", "WIDTHS"]
 
 WIDTHS = (2, 3, 4)
 _BASE = 8  # every other layer's width while one (layer, stream) is measured
