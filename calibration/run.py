@@ -60,7 +60,7 @@ def kv_absmax(stats: dict[int, dict[str, torch.Tensor]], text_config, seq_len: i
 def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, settings: dict, seed: int = 0,
               progress: bool = True, budget: float | None = None, context: int | None = None,
               sensitivity_ids: torch.Tensor | None = None, choose_rotation: bool = False,
-              try_levels: bool = True) -> CalibrationData:
+              try_levels: bool = True, rotation_ids: torch.Tensor | None = None) -> CalibrationData:
     """Run `model` over `input_ids` [N, L] and fit, for every full-attention layer (and sliding layers when
     `options.sliding_layers == "quantized"`): key/value codebooks for the layer's k_bits/v_bits and static key ranges;
     and for every layer the K (after RoPE) / V ranges (`kv_absmax`).
@@ -70,20 +70,28 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
     its settings.
 
     With `choose_rotation`: whether keys are rotated too (`rotate="v"` or `"kv"`, rotated keys also on Lloyd-Max
-    levels with `try_levels`) is chosen first, by the KL each gives on `sensitivity_ids`
-    (`calibration.budget.choose_rotate`), and stored with the options; the KLs go into the settings (`rotate_kl`)."""
+    levels with `try_levels`) is chosen first, by the KL each gives on `rotation_ids` [N, L] (default:
+    `sensitivity_ids`; `qcache.calibrate` gives sequences of the model's full context, where the choice can differ
+    from a short one's) (`calibration.budget.choose_rotate`), and stored with the options; the KLs go into the
+    settings (`rotate_kl`, measured on `rotate_tokens` tokens)."""
     torch.manual_seed(seed)
     text_config = model.config.get_text_config(decoder=True)
     fingerprint = model_fingerprint(text_config)
     layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
     wanted = {i for i, t in enumerate(layer_types)
               if t == "full_attention" or (t == "sliding_attention" and options.sliding_layers == "quantized")}
-    if (budget is not None or choose_rotation) and sensitivity_ids is None:
-        raise ValueError("a budget or a rotation choice needs the sequences to measure on (sensitivity_ids)")
-    reference = reference_logprobs(model, sensitivity_ids) if sensitivity_ids is not None else None
+    if budget is not None and sensitivity_ids is None:
+        raise ValueError("a budget needs the sequences to measure on (sensitivity_ids)")
+    if choose_rotation and sensitivity_ids is None and rotation_ids is None:
+        raise ValueError("a rotation choice needs the sequences to measure on (rotation_ids or sensitivity_ids)")
+    reference = reference_logprobs(model, sensitivity_ids) if budget is not None else None
     if choose_rotation:
-        options, kls = choose_rotate(model, sensitivity_ids, options, reference=reference, try_levels=try_levels)
-        settings = {**settings, "rotate_kl": kls}
+        if rotation_ids is None:
+            rotation_ids = sensitivity_ids
+        same = budget is not None and rotation_ids is sensitivity_ids
+        options, kls = choose_rotate(model, rotation_ids, options, reference=reference if same else None,
+                                     try_levels=try_levels)
+        settings = {**settings, "rotate_kl": kls, "rotate_tokens": int(rotation_ids.numel())}
         log.info("rotate=%r, levels=%r chosen (KL on the calibration text: %s)", options.rotate, options.levels, kls)
     if budget is not None:
         if context is None:

@@ -12,8 +12,9 @@
 sequences of `--sensitivity-len` tokens, then a greedy allocation) and stores them as the file's `layer_bits`.
 `--option NAME=VALUE` sets any other QuantCacheConfig option stored with the file (and used for the measurement).
 With a rotation (the default: values rotated) and no `--option rotate=`, the calibration also measures whether this
-model's keys should be rotated too (`rotate="kv"`, also on Lloyd-Max levels: KL on held-in text for each,
-`--choose-rotation`) and stores the best. The file's key codebooks apply where keys stay unrotated.
+model's keys should be rotated too (`rotate="kv"`, also on Lloyd-Max levels: KL on held-in text for each, on
+`--rotation-samples` sequences of `--rotation-len` tokens, by default the model's maximum context: `--choose-rotation`)
+and stores the best. The file's key codebooks apply where keys stay unrotated.
 
 Default data: dataset_build's English prose, the part evaluation never reads (qcache.data "calibration" split).
 `--save-dir` writes a folder laid out like a hub repo (the file + a README.md model card naming the model, the
@@ -82,14 +83,15 @@ def rotation_choice(options: QuantCacheConfig, given: dict) -> tuple[bool, bool]
 def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
                     samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str | None = None,
                     progress: bool = True, budget: dict | None = None, choose_rotation: bool = False,
-                    measure: tuple[int, int] = (1, 2048), try_levels: bool = True):
+                    rotation_measure: tuple[int, int | None] = (1, None), try_levels: bool = True):
     """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved).
 
     `dtype` is recorded in the file's settings; None records the dtype the model's weights are in. `budget`
     ({"budget": bits/value, "context": tokens, "samples": n, "seq_len": L}) also chooses per-layer widths, measured
     on n other sequences of L tokens of the same text. `choose_rotation` chooses whether keys are rotated too
     (`calibration.budget.choose_rotate`; rotated keys also tried on Lloyd-Max levels with `try_levels`), measured on
-    those sequences, or on `measure` = (n, L) without a budget."""
+    `rotation_measure` = (n, L): n sequences of L tokens, L None for the model's maximum context (the context the
+    cache is for: on SmolLM2-135M at 2 bits, 2048 tokens rank uniform levels first and 8192 Lloyd-Max)."""
     from calibration import calibrate
 
     from .data import read_split, sha256_of_split
@@ -105,14 +107,19 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     settings = {"model": model_name, "data_source": source, "data_sha256": sha, "samples": samples,
                 "seq_len": seq_len, "dtype": dtype}
-    if budget is None and not choose_rotation:
-        return calibrate(model, ids, options, settings, seed=seed, progress=progress)
-    n, length = (budget["samples"], budget["seq_len"]) if budget is not None else measure
-    sens_ids = sample_sequences(tokenizer, text, n, length, seed + 1, "--sensitivity-samples/--sensitivity-len")
+    sens_ids = rotation_ids = None
+    if budget is not None:
+        sens_ids = sample_sequences(tokenizer, text, budget["samples"], budget["seq_len"], seed + 1,
+                                    "--sensitivity-samples/--sensitivity-len")
+    if choose_rotation:
+        n, length = rotation_measure
+        if length is None:
+            length = int(model.config.get_text_config(decoder=True).max_position_embeddings)
+        rotation_ids = sample_sequences(tokenizer, text, n, length, seed + 2, "--rotation-samples/--rotation-len")
     return calibrate(model, ids, options, settings, seed=seed, progress=progress,
                      budget=budget["budget"] if budget is not None else None,
                      context=budget["context"] if budget is not None else None, sensitivity_ids=sens_ids,
-                     choose_rotation=choose_rotation, try_levels=try_levels)
+                     choose_rotation=choose_rotation, try_levels=try_levels, rotation_ids=rotation_ids)
 
 
 def parse_option(text: str) -> tuple[str, object]:
@@ -159,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                         "QuantCacheConfig's, 0; outliers ask for min-max value groups instead of one scale per token)")
     p.add_argument("--choose-rotation", action=argparse.BooleanOptionalAction, default=None,
                    help="measure whether keys are rotated too (rotate='v', 'kv', or 'kv' with levels='lloyd-max' unless "
-                        "--option levels= is given: the lowest KL on --sensitivity-samples sequences of "
-                        "--sensitivity-len tokens) and store the choice (default: on with a rotation unless --option "
+                        "--option levels= is given: the lowest KL on --rotation-samples sequences of "
+                        "--rotation-len tokens) and store the choice (default: on with a rotation unless --option "
                         "rotate= is given)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="any other QuantCacheConfig option stored with the file (repeatable)")
@@ -168,10 +175,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="choose per-layer widths (2/3/4 bits for keys and values) within this budget of bits/value")
     p.add_argument("--context", type=int,
                    help="with --bits-per-value: the context the budget is counted at (default: the model's maximum)")
-    p.add_argument("--sensitivity-samples", type=int, default=1,
-                   help="sequences the layer sensitivities and the rotation choice are measured on (default 1)")
-    p.add_argument("--sensitivity-len", type=int, default=2048,
+    p.add_argument("--sensitivity-samples", type=int, default=None,
+                   help="with --bits-per-value: sequences the layer sensitivities are measured on (default 1)")
+    p.add_argument("--sensitivity-len", type=int, default=None,
                    help="tokens per such sequence (default 2048)")
+    p.add_argument("--rotation-samples", type=int, default=1,
+                   help="sequences the rotation choice is measured on (default 1)")
+    p.add_argument("--rotation-len", type=int, default=None,
+                   help="tokens per such sequence (default: the model's maximum context, e.g. 8192 for "
+                        "SmolLM2-135M: minutes per choice on a CPU)")
     p.add_argument("--data", type=Path, help="a .txt or .jsonl ('text' field) file; default: the calibration split")
     p.add_argument("--samples", type=int, default=16, help="sequences of calibration text")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
@@ -183,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --bits, or --k-bits/--v-bits, not both")
     if args.samples < 1 or args.seq_len < 8:
         p.error(f"--samples={args.samples} must be >= 1 and --seq-len={args.seq_len} >= 8")
+    if args.bits_per_value is None and (args.sensitivity_samples, args.sensitivity_len) != (None, None):
+        p.error("--sensitivity-samples/--sensitivity-len size the per-layer measurement of --bits-per-value, which "
+                "was not given (the rotation choice is sized by --rotation-samples/--rotation-len)")
+    if args.rotation_samples < 1 or (args.rotation_len is not None and args.rotation_len < 8):
+        p.error(f"--rotation-samples={args.rotation_samples} must be >= 1 and --rotation-len={args.rotation_len} "
+                ">= 8")
     if args.out is None and args.save_dir is None and args.push_to_hub is None:
         p.error("give --out FILE, --save-dir DIR and/or --push-to-hub ORG/NAME")
     if args.quality is not None and args.save_dir is None and args.push_to_hub is None:
@@ -229,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     budget = None
     if args.bits_per_value is not None:
         context = args.context or int(model.config.get_text_config(decoder=True).max_position_embeddings)
-        budget = {"budget": args.bits_per_value, "context": context, "samples": args.sensitivity_samples,
-                  "seq_len": args.sensitivity_len}
+        budget = {"budget": args.bits_per_value, "context": context, "samples": args.sensitivity_samples or 1,
+                  "seq_len": args.sensitivity_len or 2048}
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
                            args.dtype, budget=budget, choose_rotation=choose_rotation,
-                           measure=(args.sensitivity_samples, args.sensitivity_len), try_levels=try_levels)
+                           rotation_measure=(args.rotation_samples, args.rotation_len), try_levels=try_levels)
     data.settings["seconds"] = round(time.perf_counter() - t0, 1)
     with tempfile.TemporaryDirectory() as tmp:
         path = save_calibration(args.out or Path(tmp) / hub.CALIBRATION_FILENAME, data)

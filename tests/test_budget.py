@@ -107,7 +107,8 @@ def test_cli_stores_the_plan(tmp_path, monkeypatch):
     text.write_text(" ".join(f"w{i % 300}" for i in range(2000)))
     out = tmp_path / "plan.safetensors"
     args = ["--model", "tiny", "--data", str(text), "--samples", "2", "--seq-len", "64", "--out", str(out),
-            "--bits-per-value", "5.3", "--context", "8192", "--sensitivity-len", "96", "--option", "k_group_size=16",
+            "--bits-per-value", "5.3", "--context", "8192", "--sensitivity-len", "96", "--rotation-len", "96",
+            "--option", "k_group_size=16",
             "--option", "rotation=hadamard", "--option", "codebooks=false"]
     assert cli.main(args) == 0
     data = load_calibration(out)
@@ -192,3 +193,39 @@ def test_calibration_stores_the_rotation_choice():
     assert data.options["rotate"] == best.split("+")[0]
     with pytest.raises(ValueError, match="needs the sequences to measure on"):
         calibrate(model, ids, opts, {}, progress=False, choose_rotation=True)
+
+
+def test_rotation_choice_is_measured_at_the_models_full_context(monkeypatch):
+    """calibrate_model sizes the rotation measurement by the model's maximum context unless told otherwise."""
+    from qcache.calibrate import calibrate_model
+
+    model = make_model("llama")  # max_position_embeddings 1024
+
+    class WordTokenizer:
+        def __call__(self, text, add_special_tokens=False, return_tensors=None):
+            return {"input_ids": torch.tensor([[2 + int(w[1:]) % 90 for w in text.split()]])}
+
+    seen = {}
+
+    def fake_choose(model, ids, options, reference=None, try_levels=True):
+        seen["shape"] = tuple(ids.shape)
+        return options, {"v": 0.0}
+
+    monkeypatch.setattr("calibration.run.choose_rotate", fake_choose)
+    monkeypatch.setattr("qcache.data.read_split", lambda name: " ".join(f"w{i}" for i in range(5000)))
+    opts = QuantCacheConfig(bits=3, k_group_size=16)
+    data = calibrate_model(model, WordTokenizer(), opts, "tiny", samples=2, seq_len=32, progress=False,
+                           choose_rotation=True)
+    assert seen["shape"] == (1, 1024) and data.settings["rotate_tokens"] == 1024
+    calibrate_model(model, WordTokenizer(), opts, "tiny", samples=2, seq_len=32, progress=False,
+                    choose_rotation=True, rotation_measure=(2, 128))
+    assert seen["shape"] == (2, 128)
+
+
+def test_cli_sensitivity_flags_need_a_budget(capsys):
+    from qcache import calibrate as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--model", "tiny", "--out", "x.safetensors", "--sensitivity-len", "96"])
+    assert "--sensitivity-samples/--sensitivity-len size the per-layer measurement of --bits-per-value" in \
+        capsys.readouterr().err

@@ -189,7 +189,7 @@ def test_cli_writes_a_loadable_file(tmp_path, monkeypatch):
     text.write_text("\n".join(json.dumps({"text": " ".join(f"w{i}" for i in range(j, j + 200))}) for j in range(5)))
     out = tmp_path / "cli.safetensors"
     assert cli.main(["--model", str(model_dir), "--data", str(text), "--samples", "4", "--seq-len", "64",
-                     "--bits", "3", "--sensitivity-len", "96", "--out", str(out)]) == 0
+                     "--bits", "3", "--rotation-len", "96", "--out", str(out)]) == 0
     data = load_calibration(out)
     assert data.options["k_bits"] == 3 and data.settings["data_source"] == str(text)
     assert data.options["outliers"] == 0  # QuantCacheConfig's default, as the cache uses it

@@ -235,7 +235,7 @@ def cli(tmp_path, monkeypatch):
     quality = tmp_path / "quality.md"
     quality.write_text(QUALITY)
     common = ["--model", "tiny", "--data", str(text), "--samples", "2", "--seq-len", "64", "--bits", "3",
-              "--sensitivity-len", "64"]
+              "--rotation-len", "64"]
     return lambda *extra: cli_module.main(common + list(extra)), quality
 
 
@@ -277,5 +277,5 @@ def test_cli_push_offline_fails_before_calibrating(cli, hf_cache, capsys, monkey
 
 def test_cli_too_short_text_names_the_measurement_flags(cli, tmp_path):
     run, _ = cli
-    with pytest.raises(ValueError, match=r"450 tokens.*--sensitivity-samples/--sensitivity-len"):
-        run("--sensitivity-len", "4096", "--out", str(tmp_path / "x.safetensors"))
+    with pytest.raises(ValueError, match=r"450 tokens.*--rotation-samples/--rotation-len"):
+        run("--rotation-len", "4096", "--out", str(tmp_path / "x.safetensors"))
