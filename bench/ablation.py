@@ -14,7 +14,8 @@ its change of KL against the row it modifies.
 Levers (`LEVERS`): value rotation (min-max groups, or with one scale per token: `v_scale="norm"`), key rotation,
 data-free Lloyd-Max levels, 128-token key blocks, the 8-bit residual window, a calibration file's codebooks
 (`calibration=auto`: fitted on the calibration split first); `--extra sliding8` adds quantized 8-bit sliding-window
-layers (Gemma-3), `--extra sliding` sliding-window layers quantized at the row's width.
+layers (Gemma-3), `--extra sliding4` 4-bit ones, `--extra sliding` sliding-window layers quantized at the row's
+width.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ LEVERS = {
 }
 EXTRA = {
     "sliding8": ("defaults + sliding layers quantized 8-bit", {"sliding_layers": "quantized", "sliding_bits": 8}),
+    "sliding4": ("defaults + sliding layers quantized 4-bit", {"sliding_layers": "quantized", "sliding_bits": 4}),
     "sliding": ("defaults + sliding layers quantized at the same width", {"sliding_layers": "quantized"}),
 }
 
