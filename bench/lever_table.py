@@ -77,20 +77,22 @@ def _meets(row: dict, calibrated: bool) -> str:
 def render(path: Path) -> str:
     run = json.loads(path.read_text())
     git = run["git"]
+    fidelity = [row for row in run["fidelity"] if not row.get("refused")]
+    scored = (f"{run['settings']['docs']} document(s), {run['settings']['scored_per_doc']} predictions scored per "
+              "document and cache" if fidelity else "needles only (no fidelity part)")
     lines = [f"## {run['model']} at {run['settings']['context']} tokens ({path.name})", "",
              f"Command: `{run['command']}`", "",
-             f"git {git['commit'][:10]} ({'uncommitted changes' if git['dirty'] else 'clean tree'}); "
-             f"{run['settings']['docs']} document(s), {run['settings']['scored_per_doc']} predictions scored per "
-             "document and cache; weights (and the cache's full-precision parts) in "
+             f"git {git['commit'][:10]} ({'uncommitted changes' if git['dirty'] else 'clean tree'}); {scored}; "
+             "weights (and the cache's full-precision parts) in "
              f"{run['settings'].get('dtype', 'bfloat16')}; "
              f"started {run['started']}.", ""]
+    if not fidelity:
+        return "\n".join(lines + _needle_table(run)[1:]) + "\n"
     head = ["K/V bits", "rotation", "levels", "value scale", "key block", "recent", "window bits", "sliding",
             "calibrated",
             "bits/value held", "KL [95 %]", "top-1 %", "Δ PPL % [95 %]", "meets"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 9 + "---:|" * 4 + "---|"]
-    for row in run["fidelity"]:
-        if row.get("refused"):
-            continue
+    for row in fidelity:
         if row["spec"]["kind"] == "default":
             lines.append("| default | | | | | | | | | " + f"{row['bits_per_value']:.2f} | 0 | 100 | PPL "
                          f"{run['reference_ppl']:.3f} | |")

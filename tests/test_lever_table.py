@@ -77,3 +77,16 @@ def test_needles_kept():
     table = lt._needle_table(run)
     assert table[-2].startswith("| default | 43 (2 / 3 / 8) | 3.50 | (reference) |")
     assert table[-1].startswith("| quant | 13 (1 / 0 / 3) | 3.50 | no: 8192: 4/30 < 27 %")
+
+
+def test_needle_only_run_has_no_fidelity_table(tmp_path):
+    run = {"model": "m", "command": "python -m eval.fidelity --caches", "started": "today",
+           "git": {"commit": "b" * 40, "dirty": False}, "settings": {"context": 8192, "docs": 2, "scored_per_doc": 4095,
+                                                                   "needles": 30},
+           "fidelity": [], "needles": [_needle_row("default", 8192, 13, (2, 3, 8)),
+                                        _needle_row("quant", 8192, 12, (1, 3, 8))]}
+    path = tmp_path / "needles.json"
+    path.write_text(json.dumps(run))
+    text = lt.render(path)
+    assert "needles only (no fidelity part)" in text and "predictions scored" not in text
+    assert "| K/V bits |" not in text and "| quant | 40 (1 / 3 / 8) |" in text
