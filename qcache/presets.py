@@ -27,7 +27,9 @@ limits those runs show: at 2 bits SmolLM2 needs its keys rotated too (k2v2 as de
 rotate="kv": +5.4 %, `window-smollm2-135m.md`), while Gemma-3's keys lose five times more KL rotated at 3 bits, so
 pass rotate="kv" per model after measuring it; and at 3-bit keys the needles far back in the context are lost more
 often than with the default cache (SmolLM2 at 8192: 13 % found against 43 %) although KL and perplexity barely move:
-keep needles with 4-bit keys.
+keep needles with 4-bit keys, rotated where the model takes it (SmolLM2: `QuantCache(k_bits=4, v_bits=2,
+rotate="kv")`, 3.48 bits/value, 33 % at 8192, `needles-keys2-smollm2-135m.md`, `k4v2kv-smollm2-135m.md`), on
+uniform levels (Lloyd-Max key levels lose needles: `needles-keys-smollm2-135m.md`).
 """
 
 from __future__ import annotations
