@@ -80,17 +80,16 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
     layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
     wanted = {i for i, t in enumerate(layer_types)
               if t == "full_attention" or (t == "sliding_attention" and options.sliding_layers == "quantized")}
+    if rotation_ids is None:
+        rotation_ids = sensitivity_ids
     if budget is not None and sensitivity_ids is None:
         raise ValueError("a budget needs the sequences to measure on (sensitivity_ids)")
-    if choose_rotation and sensitivity_ids is None and rotation_ids is None:
+    if choose_rotation and rotation_ids is None:
         raise ValueError("a rotation choice needs the sequences to measure on (rotation_ids or sensitivity_ids)")
     reference = reference_logprobs(model, sensitivity_ids) if budget is not None else None
     if choose_rotation:
-        if rotation_ids is None:
-            rotation_ids = sensitivity_ids
-        same = budget is not None and rotation_ids is sensitivity_ids
-        options, kls = choose_rotate(model, rotation_ids, options, reference=reference if same else None,
-                                     try_levels=try_levels)
+        options, kls = choose_rotate(model, rotation_ids, options, try_levels=try_levels,
+                                     reference=reference if rotation_ids is sensitivity_ids else None)
         settings = {**settings, "rotate_kl": kls, "rotate_tokens": int(rotation_ids.numel())}
         log.info("rotate=%r, levels=%r chosen (KL on the calibration text: %s)", options.rotate, options.levels, kls)
     if budget is not None:

@@ -141,7 +141,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
             raise ValueError(f"bits_per_value={spec.options['bits_per_value']} needs calibration=auto (the widths are "
                              "chosen by calibrating); allowed: calibration=auto,bits_per_value=B")
         return spec.options
-    from qcache.calibrate import calibrate_model, rotation_choice, save_calibration
+    from qcache.calibrate import calibrate_model, max_context, rotation_choice, save_calibration
     from qcache.config import QuantCacheConfig
 
     from .options import parse_cache_options
@@ -151,7 +151,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
     if budget is not None:  # per-layer widths within `budget` bits/value at the model's full context
         budget = {"budget": budget, "samples": 1, "seq_len": 2048,
-                  "context": int(model.config.get_text_config(decoder=True).max_position_embeddings)}
+                  "context": max_context(model, "a model that sets it (bits_per_value counts at the full context)")}
     from qcache.models import default_cache_dir
 
     name = Path(model.config.name_or_path or "model").name

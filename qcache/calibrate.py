@@ -38,7 +38,7 @@ import torch
 from .calibfile import save_calibration
 from .config import SUPPORTED_BITS, QuantCacheConfig
 
-__all__ = ["read_text", "sample_sequences", "calibrate_model", "save_calibration", "main"]
+__all__ = ["read_text", "sample_sequences", "max_context", "calibrate_model", "save_calibration", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,15 @@ def sample_sequences(tokenizer, text: str, samples: int, seq_len: int, seed: int
                          f"fewer than the {samples} asked for ({flags}; shorten them or give a longer --data)")
     pick = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
     return torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in pick.tolist()])
+
+
+def max_context(model, flag: str) -> int:
+    """The model's maximum context (`max_position_embeddings` of its text config); a ValueError naming `flag` (the
+    option that sets the length instead) when the config has none."""
+    value = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if value is None:
+        raise ValueError(f"the model's config has no max_position_embeddings: give {flag}")
+    return int(value)
 
 
 def rotation_choice(options: QuantCacheConfig, given: dict) -> tuple[bool, bool]:
@@ -114,7 +123,7 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
     if choose_rotation:
         n, length = rotation_measure
         if length is None:
-            length = int(model.config.get_text_config(decoder=True).max_position_embeddings)
+            length = max_context(model, "--rotation-len")
         rotation_ids = sample_sequences(tokenizer, text, n, length, seed + 2, "--rotation-samples/--rotation-len")
     return calibrate(model, ids, options, settings, seed=seed, progress=progress,
                      budget=budget["budget"] if budget is not None else None,
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     budget = None
     if args.bits_per_value is not None:
-        context = args.context or int(model.config.get_text_config(decoder=True).max_position_embeddings)
+        context = args.context or max_context(model, "--context")
         budget = {"budget": args.bits_per_value, "context": context, "samples": args.sensitivity_samples or 1,
                   "seq_len": args.sensitivity_len or 2048}
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
