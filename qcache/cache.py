@@ -9,8 +9,14 @@ Layout of one layer (B = batch, H = kv heads, D = head_dim, G = k_group_size, to
     quantized  pre-RoPE codes, one scale/zero per       codes, one scale/zero per token per
                channel per block of G tokens            `v_group_size` channels
                (`KeyCodec`)                             (`ValueCodec`)
-    residual   the block being filled + `recent_tokens`, as given (post-RoPE), full precision
+    residual   the block being filled + `recent_tokens`, as given (post-RoPE): in the cache dtype, or 8-bit per
+               token and head with `window_bits=8`
     ========== ======================================= ============================================
+
+A sliding-window layer quantized like the others (`sliding_layers="quantized"`) drops whole key blocks once they fall
+out of its window. At 8 bits for keys and values (`sliding_bits=8`) it has no blocks at all: every token of its
+window stays in the residual, 8-bit per token and head, and is trimmed token by token, so it holds its window at about
+half the bytes of the 16-bit one.
 
 Every tensor lives in one `PackedStore` (qcache/store.py), declared once by the codecs (qcache/codec.py) and the
 layer: preallocated, appended in place, dropped from the front, cropped and batch-indexed as a whole. Positions are
@@ -187,6 +193,9 @@ class QuantLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
+        # an 8-bit sliding layer holds its whole window 8-bit per token (the residual's 8-bit form) and evicts token
+        # by token: no key blocks, so no block being filled and no whole-block slack beyond the window
+        self.window_only = self.is_sliding and cfg.k_bits == 8 and cfg.v_bits == 8
         # set by QuantCache each forward: the attention is qcache_fp32, which can attend from the codes directly
         self.fused_attention = False
         self._clear()
@@ -219,7 +228,7 @@ class QuantLayer(CacheLayerMixin):
                 self.consts[stream]["rotation"] = self._rotation.on(self.device)
         self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
         full = [Part(name, "sink", (D,), self.dtype, "full_precision") for name in ("sink_k", "sink_v")]
-        if self.cfg.window_bits == 8:  # the window 8-bit per token (min-max, one scale/zero per token and head)
+        if self.cfg.window_bits == 8 or self.window_only:  # the window 8-bit per token (min-max, one scale/zero per token and head)
             self.window_codecs = tuple(ValueCodec(bits=8, group=D, scale_dtype=_SCALE_DTYPES[self.cfg.scale_dtype],
                                                   prefix=prefix, axis="residual") for prefix in ("wk_", "wv_"))
             full += [part for codec in self.window_codecs for part in codec.parts(D, self.dtype)]
@@ -231,7 +240,9 @@ class QuantLayer(CacheLayerMixin):
                                  self.device, min_grow={"token": max(G, 16), "block": 1,
                                                         "sink": max(self.sink_tokens, 1), "residual": G},
                                  # between two flushes the residual holds at most the recent window + one block
-                                 bounded={"sink": self.sink_tokens, "residual": self.cfg.recent_tokens + G})
+                                 bounded={"sink": self.sink_tokens,
+                                          "residual": self.sliding_window if self.window_only
+                                          else self.cfg.recent_tokens + G})
         for consts in self.consts.values():
             for name, t in consts.items():
                 if t is not None and t.device != self.device:
@@ -335,7 +346,7 @@ class QuantLayer(CacheLayerMixin):
         s = self.store
         G = self.k_codec.group
         n = (s.length("residual") - self.cfg.recent_tokens) // G * G
-        if n <= 0:
+        if n <= 0 or self.window_only:
             return
         k, v = (t[:, :, :n] for t in self._window())  # [B, H, n, D]
         # positions of these tokens: they follow the sinks and the quantized region of their row

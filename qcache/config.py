@@ -115,8 +115,10 @@ class QuantCacheConfig:
             pairs must equal the model's layers (checked when the cache binds to a model). `python -m qcache.calibrate
             --bits-per-value B` chooses them from measured sensitivities and stores them in its file.
         sliding_bits: with sliding_layers="quantized": the width of keys and values in sliding-window layers (2, 3,
-            4 or 8; None: the same as the other layers). `sliding_bits=8` holds a window of Gemma-3's at half its
-            16-bit bytes (not combinable with layer_bits, which sets every layer's widths itself).
+            4 or 8; None: the same as the other layers; not combinable with layer_bits, which sets every layer's
+            widths itself). A sliding layer at 8 bits (keys and values) holds no key blocks: its whole window is
+            kept as the residual's 8-bit tokens (keys after RoPE, one scale and zero per token and head, whatever
+            `window_bits` says) and trimmed token by token, about half the bytes of the 16-bit window.
         v_scale: how a value token is scaled (default: "norm" when values are rotated and no option asks for value
             groups: outliers, clip_search, v_group_size; else "minmax"). "minmax": a scale and a zero-point per group of
             `v_group_size` channels, levels spanning the group's [min, max]. "norm": one number per token and head

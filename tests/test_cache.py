@@ -271,6 +271,34 @@ def test_sliding_bits_sets_the_width_of_quantized_sliding_layers():
     assert cache.layers[0].memory().packed > two.layers[0].memory().packed
 
 
+def test_8bit_sliding_layers_hold_their_window_as_8bit_tokens():
+    """At 8 bits a quantized sliding layer keeps no key blocks: exactly its window, 8-bit per token and head, trimmed
+    token by token, and half the bytes of transformers' 16-bit window; the model's greedy tokens are kept."""
+    model = make_model("gemma3")  # layers: sliding (window 24), full, sliding
+    ids = prompt(100)
+    cache = QuantCache(bits=4, sliding_layers="quantized", sliding_bits=8, **OPTS)
+    out = generate(model, ids, cache, max_new_tokens=20)
+    assert_greedy_agrees(model, out, 100)
+    sliding, full = cache.layers[0], cache.layers[1]
+    assert sliding.window_only and not full.window_only
+    assert sliding.quantized_length == 0 and sliding.store.length("residual") == 23  # window - 1, token by token
+    assert full.quantized_length > 0  # the full layer keeps its blocks
+    mem = sliding.memory()
+    D, H = model.config.head_dim, model.config.num_key_value_heads
+    held = mem.total - mem.reserved - mem.rope - mem.rotation - mem.codebooks
+    per_token = 2 * H * (D + 2 * 2)  # K and V: 8-bit codes + a float16 scale and zero per token and head
+    assert held == pytest.approx(23 * per_token, abs=64)  # + the int64 first position per row
+    ref = DynamicCache(config=model.config)
+    logits(model, out[:, :-1], ref)
+    assert held < 0.6 * ref.layers[0].keys[:, :, -23:].numel() * 2 * 4  # fp32 model: 4 bytes per value, K and V
+    # fed in chunks shorter than the window: after each chunk it holds min(seen, window - 1) tokens
+    chunked, seen = QuantCache(bits=4, sliding_layers="quantized", sliding_bits=8, **OPTS), 0
+    for chunk in ids.split(7, dim=1):
+        logits(model, chunk, chunked)
+        seen += chunk.shape[1]
+        assert chunked.layers[0].store.length("residual") == min(seen, 23)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"sliding_bits": 8}, r"sliding_bits=8.*sliding_layers='native'.*allowed: sliding_layers='quantized'"),
     ({"sliding_bits": 5, "sliding_layers": "quantized"}, r"sliding_bits=5.*\[2, 3, 4, 8\]"),

@@ -348,3 +348,13 @@ def test_cli_bad_input_exits_with_the_value_named(argv, match, capsys, fake_mode
         main(argv)
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_8bit_sliding_layers_are_estimated_as_their_window_in_8bit_tokens():
+    g = Geometry(6, 2, 64, sliding_layers=5, sliding_window=512)
+    cfg = QuantCacheConfig(sliding_layers="quantized", sliding_bits=8)
+    _, sliding = cache_bytes(g, "qcache-4bit", 32768, cfg)
+    # per sliding layer: 512 tokens x 2 heads x K and V x (64 one-byte codes + a float16 scale and zero), + the
+    # int64 first position
+    assert sliding == pytest.approx(5 * (512 * 2 * 2 * (64 + 4) + 8))
+    assert sliding < 0.55 * cache_bytes(g, "16-bit", 32768)[1]
