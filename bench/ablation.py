@@ -31,6 +31,9 @@ NONE = {"rotation": "none", "k_group_size": 64, "window_bits": 16}
 # the defaults (QuantCacheConfig(bits=N), tests/test_defaults.py), spelled out
 DEFAULTS = {"rotation": "hadamard", "rotate": "v", "v_scale": "norm", "levels": "uniform", "k_group_size": 128,
             "window_bits": 8}
+DEFAULTS_AT = {2: {**DEFAULTS, "levels": "lloyd-max"}}  # widths whose defaults differ: 2-bit keys on Lloyd-Max levels
+# a "defaults + lever" row whose lever the defaults of a width already have becomes this "defaults − lever" row
+WITHOUT = {"defaults + Lloyd-Max key levels": ("defaults − Lloyd-Max key levels (uniform)", {"levels": "uniform"})}
 
 # lever: (options that turn it on over NONE, the row of the defaults that takes it out or adds it, and that row's
 # options over DEFAULTS)
@@ -68,10 +71,13 @@ def plan(widths: list[int], extra: list[str], data_free: bool = False) -> list[d
         rows.append({"bits": bits, "row": "none", "base": None, "spec": _spec(bits, NONE)})
         for name, (on, _, _) in levers.items():
             rows.append({"bits": bits, "row": f"none + {name}", "base": "none", "spec": _spec(bits, {**NONE, **on})})
-        rows.append({"bits": bits, "row": "defaults", "base": None, "spec": _spec(bits, DEFAULTS)})
+        defaults = DEFAULTS_AT.get(bits, DEFAULTS)
+        rows.append({"bits": bits, "row": "defaults", "base": None, "spec": _spec(bits, defaults)})
         changes = [(name, change) for _, name, change in levers.values()] + [EXTRA[key] for key in extra]
         for name, change in changes:
-            rows.append({"bits": bits, "row": name, "base": "defaults", "spec": _spec(bits, {**DEFAULTS, **change})})
+            if name in WITHOUT and all(defaults.get(k) == v for k, v in change.items()):
+                name, change = WITHOUT[name]
+            rows.append({"bits": bits, "row": name, "base": "defaults", "spec": _spec(bits, {**defaults, **change})})
     return rows
 
 

@@ -70,7 +70,9 @@ def reference_logprobs(model, input_ids: torch.Tensor, chunk: int = 256) -> list
 
 # the key layouts `choose_rotate` tries, by the name their KL is stored under: the options each changes (rotated keys
 # look Gaussian, so Lloyd-Max levels may fit them)
-KEY_CHOICES = {"v": {"rotate": "v"}, "kv": {"rotate": "kv"}, "kv+lloyd-max": {"rotate": "kv", "levels": "lloyd-max"}}
+# ("v" leaves the levels to the defaults: Lloyd-Max for 2-bit keys, else uniform)
+KEY_CHOICES = {"v": {"rotate": "v"}, "kv": {"rotate": "kv", "levels": "uniform"},
+               "kv+lloyd-max": {"rotate": "kv", "levels": "lloyd-max"}}
 
 
 @torch.no_grad()
@@ -89,14 +91,17 @@ def choose_rotate(model, input_ids: torch.Tensor, options: QuantCacheConfig, chu
         raise ValueError("choosing which streams to rotate needs rotation='hadamard'; got rotation='none'")
     if reference is None:
         reference = reference_logprobs(model, input_ids, chunk)
-    kls = {}
+    kls, changes = {}, {}
     for name, change in KEY_CHOICES.items():
-        if "levels" in change and not try_levels:
-            continue
+        if not try_levels:  # the levels were given: keep them
+            if name == "kv+lloyd-max":
+                continue
+            change = {k: v for k, v in change.items() if k != "levels"}
+        changes[name] = change
         opts = QuantCacheConfig.overridden(options.to_dict(), {**change, "codebooks": False})
         kls[name] = _kl_of(model, input_ids, lambda: QuantCache(model.config, options=opts), reference, chunk)
     best = min(kls, key=kls.get)  # a tie keeps the first: keys unrotated
-    return QuantCacheConfig.overridden(options.to_dict(), KEY_CHOICES[best]), kls
+    return QuantCacheConfig.overridden(options.to_dict(), changes[best]), kls
 
 
 @torch.no_grad()

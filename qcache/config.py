@@ -2,12 +2,15 @@
 
 Defaults: `QuantCacheConfig(bits=N)` for N in 2, 3, 4 is the setting the fidelity runner measured best for its size
 on both test models at their full context (README "Defaults" names the runs): keys per channel in 128-token blocks,
-unrotated, uniform levels; values Hadamard-rotated, one least-squares scale per token and head, Gaussian Lloyd-Max
-levels; the residual window 8-bit. Five options default to None and follow from the others
-(`QuantCacheConfig._resolve_defaults`, order `AUTO_OPTIONS`):
+unrotated, on uniform levels (data-free Lloyd-Max levels at 2 bits); values Hadamard-rotated, one least-squares scale
+per token and head, Gaussian Lloyd-Max levels; the residual window 8-bit. Six options default to None and follow
+from the others (`QuantCacheConfig._resolve_defaults`, order `AUTO_OPTIONS`):
 
     rotation     "hadamard", or "none" with static_keys=True (static key ranges are unrotated)
     rotate       "v" with a rotation (rotating keys cost Gemma-3 5x its KL), else "kv"
+    levels       "lloyd-max" when every width it applies to is 2 bits (the keys; min-max values too), unless
+                 static_keys or codebooks=True ask for uniform levels, else "uniform": at 2 bits Lloyd-Max key levels cut KL to 0.37x on SmolLM2 and 0.83x on
+                 Gemma-3, at 3 and 4 bits they cost 1.05-1.4x (bench/ablation.py runs in docs/results)
     v_scale      "norm" when values are rotated and ungrouped (no outliers, clip_search or v_group_size), else "minmax"
     codebooks    True when a calibration file's levels apply to a stream (uniform levels and unrotated keys, or
                  unrotated min-max values: `codebook_streams`), else False
@@ -34,7 +37,7 @@ ROTATE = ("kv", "k", "v")  # which of keys and values a rotation applies to
 V_SCALES = ("minmax", "norm")  # qcache/codec.py ValueCodec
 WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
 # options whose default (None) follows from the others (QuantCacheConfig._resolve_defaults), in resolution order
-AUTO_OPTIONS = ("rotation", "rotate", "v_scale", "codebooks", "window_bits")
+AUTO_OPTIONS = ("rotation", "rotate", "v_scale", "levels", "codebooks", "window_bits")
 
 __all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS",
            "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
@@ -100,7 +103,8 @@ class QuantCacheConfig:
         rotate: what the rotation applies to: "kv" keys and values, "k" keys only, "v" values only. Default: "v"
             with a rotation (keys rotated lose on Gemma-3 and win on SmolLM2 at 2 bits: pass rotate="kv" after
             measuring your model), "kv" without one (where it means nothing).
-        levels: "uniform" (default) or "lloyd-max": data-free non-uniform levels, the Lloyd-Max levels of
+        levels: "uniform" or "lloyd-max" (default: "lloyd-max" when every key width is 2, else "uniform"; see the
+            module docstring): data-free non-uniform levels, the Lloyd-Max levels of
             min-max normalized Gaussian groups of the codec's group size (qcache/levels.py); best with
             rotation="hadamard". Not combinable with a calibration file's codebooks (pass codebooks=False) or
             static_keys.
@@ -150,7 +154,7 @@ class QuantCacheConfig:
     outliers: int = 0
     rotation: str | None = None
     rotation_seed: int = 0
-    levels: str = "uniform"
+    levels: str | None = None
     rotate: str | None = None
     v_scale: str | None = None
     window_bits: int | None = None
@@ -250,6 +254,11 @@ class QuantCacheConfig:
             rotated_values = self.rotation != "none" and self.rotate in ("kv", "v")
             grouped = self.outliers or self.clip_search or self.v_group_size is not None
             self.v_scale = "norm" if rotated_values and not grouped else "minmax"
+        if self.levels is None:  # Lloyd-Max where every stream `levels` applies to is 2-bit (not "norm" values)
+            pairs = self.layer_bits or ((self.k_bits, self.v_bits),)
+            widths = [kb for kb, _ in pairs] + ([] if self.v_scale == "norm" else [vb for _, vb in pairs])
+            lloyd = max(widths) == 2 and not self.static_keys and self.codebooks is not True
+            self.levels = "lloyd-max" if lloyd else "uniform"
         if self.codebooks is None:
             self.codebooks = self.levels == "uniform" and bool(self.codebook_streams())
         if self.window_bits is None:
@@ -334,6 +343,14 @@ class QuantCacheConfig:
         for name in AUTO_OPTIONS:
             if name not in overrides and cls.from_dict({**base, name: None}).to_dict()[name] == base[name]:
                 merged[name] = None
+        # options that depend on each other (levels and codebooks) each look like a default on their own; released
+        # together they may resolve differently: keep base's where `base` alone would not come back
+        for _ in AUTO_OPTIONS:
+            again = cls.from_dict(merged).to_dict()
+            changed = [n for n in AUTO_OPTIONS if merged[n] is None and again[n] != base[n]]
+            if not changed:
+                break
+            merged[changed[0]] = base[changed[0]]
         return cls.from_dict({**merged, **overrides})
 
     def full_precision_tokens(self, num_tokens: int) -> int:

@@ -6,7 +6,8 @@
 "k4v4", "k3v3" and "k2v2" are what `QuantCache(bits=4)`, `bits=3` and `bits=2` resolve to (the defaults of
 `QuantCacheConfig` were chosen by the same runs); the presets name them and the K/V splits beside them. Every preset rotates values (`rotation="hadamard"`, `rotate="v"`: head_dim must be a multiple of 8), scales each
 value token by one least-squares number with Gaussian Lloyd-Max levels (`v_scale="norm"`), keeps keys per channel
-in blocks of 128 tokens with uniform levels, unrotated, and holds the residual window 8-bit (`window_bits=8`). Why
+in blocks of 128 tokens, unrotated, on uniform levels (at 2 bits on data-free Lloyd-Max levels), and holds the
+residual window 8-bit (`window_bits=8`). Why
 these (docs/results, one document each, KL against the default cache over the second half of the context):
 
 - value rotation with `v_scale="norm"`: on SmolLM2-135M at 8192 tokens, 3-bit KL 0.0285 -> 0.0209 at 0.12 fewer
@@ -20,11 +21,14 @@ these (docs/results, one document each, KL against the default cache over the se
   (`levers2-smollm2-135m.md`); without a recent window KL triples (`levers3-smollm2-135m.md`).
 - `window_bits=8`: the same quality at 0.24 fewer bits/value at 8k tokens (3-bit 3.72 -> 3.48, KL 0.0132 ->
   0.0134: `levers2-smollm2-135m.md` vs `window-smollm2-135m.md`).
+- Lloyd-Max key levels at 2 bits: KL 0.18 -> 0.068 (Δ PPL +15.3 -> +7.4 %) on SmolLM2 at 8192 and 0.035 -> 0.029
+  (+3.5 -> +1.5 %) on Gemma-3 at 32768 (`ablation-smollm2-135m-4-2-table.md`, `ablation-gemma3-270m-32k-2bit-table.md`);
+  at 3 and 4 bits they cost 1.05-1.4x the KL, so wider keys stay uniform.
 - "k3v2" keeps 256 recent tokens: 3-bit keys with 2-bit values at KL 0.018 (3.08 bits/value) where 128 give 0.027.
 
 What each measures: `presets-smollm2-135m.md` and `presets-gemma3-270m.md` (made with these exact options). Two
-limits those runs show: at 2 bits SmolLM2 needs its keys rotated too (k2v2 as defined: Δ PPL +15 %; with
-rotate="kv": +5.4 %, `window-smollm2-135m.md`), while Gemma-3's keys lose five times more KL rotated at 3 bits, so
+limits those runs show: at 2 bits SmolLM2 does better still with its keys rotated too (k2v2 on uniform levels: Δ PPL
++15 %; on Lloyd-Max levels +7.4 %; rotated on Lloyd-Max: +5.4 %, `window-smollm2-135m.md`), while Gemma-3's keys lose five times more KL rotated at 3 bits, so
 pass rotate="kv" per model after measuring it; and at 3-bit keys the needles far back in the context are lost more
 often than with the default cache (SmolLM2 at 8192: 13 % found against 43 %) although KL and perplexity barely move:
 keep needles with 4-bit keys, rotated where the model takes it (SmolLM2: `QuantCache(k_bits=4, v_bits=2,
@@ -43,7 +47,7 @@ PRESETS: dict[str, dict] = {
     "k4v3": {"k_bits": 4, "v_bits": 3, **_COMMON},
     "k3v3": {"k_bits": 3, "v_bits": 3, **_COMMON},
     "k3v2": {"k_bits": 3, "v_bits": 2, **_COMMON, "recent_tokens": 256},
-    "k2v2": {"k_bits": 2, "v_bits": 2, **_COMMON},
+    "k2v2": {"k_bits": 2, "v_bits": 2, **_COMMON, "levels": "lloyd-max"},
 }
 
 

@@ -173,11 +173,16 @@ def test_choose_rotate_keeps_the_lower_kl_and_resolves_the_rest():
     chosen, kls = choose_rotate(model, ids, opts, chunk=32)
     assert set(kls) == {"v", "kv", "kv+lloyd-max"} and len(set(kls.values())) == 3
     best = min(kls, key=kls.get)
-    assert (chosen.rotate, chosen.levels) == {"v": ("v", "uniform"), "kv": ("kv", "uniform"),
+    # "v" is the 2-bit default: unrotated keys on Lloyd-Max levels; "kv" rotated keys on uniform levels
+    assert (chosen.rotate, chosen.levels) == {"v": ("v", "lloyd-max"), "kv": ("kv", "uniform"),
                                               "kv+lloyd-max": ("kv", "lloyd-max")}[best]
-    assert chosen.v_scale == "norm" and chosen.codebooks == (best == "v")  # rotated keys take no codebook
+    assert chosen.v_scale == "norm" and not chosen.codebooks  # no codebooks: Lloyd-Max or rotated keys
+    # levels given (try_levels=False): both choices keep the options' levels, here Lloyd-Max
     _, two = choose_rotate(model, ids, opts, chunk=32, try_levels=False)
-    assert two == {k: kls[k] for k in ("v", "kv")}
+    assert two == {"v": kls["v"], "kv": kls["kv+lloyd-max"]}
+    three = QuantCacheConfig(bits=3, k_group_size=16, recent_tokens=4, sink_tokens=2)
+    chosen3, kls3 = choose_rotate(model, ids, three, chunk=32)
+    assert chosen3.levels == ("lloyd-max" if min(kls3, key=kls3.get) == "kv+lloyd-max" else "uniform")
     with pytest.raises(ValueError, match="needs rotation='hadamard'"):
         choose_rotate(model, ids, QuantCacheConfig(bits=2, rotation="none"))
 

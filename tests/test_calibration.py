@@ -28,8 +28,8 @@ def llama():
 
 @pytest.fixture(scope="module")
 def llama_file(llama, tmp_path_factory):
-    data = calibrate(llama, calibration_ids(), QuantCacheConfig(bits=2, **OPTS), {"data_source": "random ids"},
-                     progress=False)
+    options = QuantCacheConfig(bits=2, levels="uniform", **OPTS)  # uniform levels: the file holds codebooks
+    data = calibrate(llama, calibration_ids(), options, {"data_source": "random ids"}, progress=False)
     return save_calibration(tmp_path_factory.mktemp("calib") / "llama.qcache.safetensors", data)
 
 

@@ -14,7 +14,7 @@ def test_bits_n_is_the_knvn_preset(bits):
     assert QuantCacheConfig(bits=bits).to_dict() == preset.to_dict()
     d = QuantCacheConfig(bits=bits).to_dict()
     assert (d["rotation"], d["rotate"], d["v_scale"], d["k_group_size"], d["window_bits"], d["levels"]) == (
-        "hadamard", "v", "norm", 128, 8, "uniform")
+        "hadamard", "v", "norm", 128, 8, "lloyd-max" if bits == 2 else "uniform")
 
 
 @pytest.mark.parametrize("given,resolved", [
@@ -33,6 +33,15 @@ def test_bits_n_is_the_knvn_preset(bits):
     ({"clip_search": True}, dict(v_scale="minmax")),
     ({"rotation": "none", "levels": "lloyd-max"}, dict(codebooks=False)),
     ({"window_bits": 16}, dict(window_bits=16)),
+    # 2-bit keys on Lloyd-Max levels (and no codebooks), unless something asks for uniform ones
+    ({"bits": 2}, dict(levels="lloyd-max", codebooks=False)),
+    ({"k_bits": 2, "v_bits": 4}, dict(levels="lloyd-max")),  # "norm" values keep their own levels
+    ({"k_bits": 2, "v_bits": 4, "rotation": "none"}, dict(levels="uniform")),  # min-max 4-bit values: not measured
+    ({"k_bits": 4, "v_bits": 2}, dict(levels="uniform", codebooks=True)),
+    ({"bits": 2, "codebooks": True}, dict(levels="uniform")),
+    ({"bits": 2, "static_keys": True}, dict(levels="uniform", rotation="none")),
+    ({"layer_bits": [(2, 2), (2, 3)]}, dict(levels="lloyd-max")),
+    ({"layer_bits": [(2, 2), (3, 2)]}, dict(levels="uniform")),
 ])
 def test_options_left_unset_follow_from_the_others(given, resolved):
     d = QuantCacheConfig(**given).to_dict()
@@ -53,6 +62,13 @@ def test_overriding_stored_options_resolves_the_defaults_again():
     assert (kept.static_keys, kept.rotation, kept.window_bits, kept.recent_tokens) == (True, "none", 16, 64)
     with pytest.raises(ValueError, match="rotation='hadamard' is not supported with static_keys=True"):
         QuantCacheConfig.overridden(old_file, {"rotation": "hadamard"})
+    # a 2-bit file on uniform levels with its codebooks (made before 2-bit keys took Lloyd-Max levels) keeps both:
+    # each looks like a default given the other, but released together they would resolve to Lloyd-Max, no codebooks
+    uniform_file = QuantCacheConfig(bits=2, levels="uniform").to_dict()
+    kept = QuantCacheConfig.overridden(uniform_file, {"recent_tokens": 64})
+    assert (kept.levels, kept.codebooks) == ("uniform", True)
+    assert QuantCacheConfig.overridden(QuantCacheConfig(bits=2).to_dict(), {"bits": 3}).levels == "uniform"
+    assert QuantCacheConfig.overridden(made_with_defaults, {"bits": 2}).levels == "lloyd-max"
 
 
 @pytest.mark.parametrize("given,streams", [
