@@ -12,9 +12,10 @@ from qcache.rope import RopeHelper
 
 # small blocks so that short prompts exercise sinks, quantized blocks and the residual
 OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
-# for checks of exact values and byte formulas: no rotation, the residual window as given (the defaults rotate values
-# and hold the window 8-bit: tests/test_rotation.py, tests/test_window.py)
-EXACT = dict(OPTS, rotation="none", window_bits=16)
+# for checks of exact values and byte formulas: no rotation, uniform levels, the residual window as given (the
+# defaults rotate values, put 2-bit keys on Lloyd-Max levels and hold the window 8-bit: tests/test_rotation.py,
+# tests/test_levels.py, tests/test_window.py)
+EXACT = dict(OPTS, rotation="none", levels="uniform", window_bits=16)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # max |logit error| of the 8-bit cache, as a fraction of the logits' std (bf16 adds its own rounding)
 TOL_8BIT = {torch.float32: 0.05, torch.bfloat16: 0.1, torch.float16: 0.1}

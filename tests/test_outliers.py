@@ -48,7 +48,7 @@ def test_cache_with_outliers_is_closer_and_counts_its_bytes():
         ref = model(ids).logits
         errs = {}
         for m in (0, 2):
-            cache = QuantCache(bits=2, outliers=m, **OPTS)
+            cache = QuantCache(bits=2, outliers=m, levels="uniform", **OPTS)
             errs[m] = (model(ids, cache=cache, use_cache=True).logits - ref).pow(2).mean()
     assert errs[2] < errs[0]
     store = cache.layers[0].store
@@ -56,7 +56,8 @@ def test_cache_with_outliers_is_closer_and_counts_its_bytes():
     assert store.view("k_out_idx").shape == (1, 2, nb, 2, 32) and store.view("v_out_idx").shape == (1, 2, tq, 2, 2)
     mem = cache.memory()
     assert mem.outliers == 2 * 2 * 2 * (nb * 32 + tq * 2) * (4 + 1)  # layers x heads x m x count x (fp32 + offset)
-    expected = QuantCacheConfig(bits=2, outliers=2, **OPTS).bytes_per_token(2, 2, 32, 150, fp_bytes=4) * 150
+    expected = QuantCacheConfig(bits=2, outliers=2, levels="uniform", **OPTS).bytes_per_token(
+        2, 2, 32, 150, fp_bytes=4) * 150
     assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)
 

@@ -194,7 +194,7 @@ def test_2bit_rotation_reads_outlier_states_closer(rope):
     errs = {}
     for rot in ("none", "hadamard"):
         cache = QuantCache(config, bits=2, rotation=rot, rope=rope, **({"rotate": "kv"} if rot != "none" else {}),
-                           **OPTS)
+                           levels="uniform", **OPTS)  # uniform levels on both sides: rotation is what differs
         cache.update(k, v, 0, kwargs={"position_ids": torch.arange(80)[None]})
         layer = cache.layers[0]
         S, Tq = layer.store.length("sink"), layer.quantized_length
