@@ -228,7 +228,7 @@ class QuantLayer(CacheLayerMixin):
                 self.consts[stream]["rotation"] = self._rotation.on(self.device)
         self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
         full = [Part(name, "sink", (D,), self.dtype, "full_precision") for name in ("sink_k", "sink_v")]
-        if self.cfg.window_bits == 8 or self.window_only:  # the window 8-bit per token (min-max, one scale/zero per token and head)
+        if self.cfg.window_bits == 8 or self.window_only:  # 8-bit per token (min-max, a scale/zero per token, head)
             self.window_codecs = tuple(ValueCodec(bits=8, group=D, scale_dtype=_SCALE_DTYPES[self.cfg.scale_dtype],
                                                   prefix=prefix, axis="residual") for prefix in ("wk_", "wv_"))
             full += [part for codec in self.window_codecs for part in codec.parts(D, self.dtype)]

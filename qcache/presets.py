@@ -4,11 +4,12 @@
     QuantCache(preset="k3v2", recent_tokens=128)   # a preset, one option changed
 
 "k4v4", "k3v3" and "k2v2" are what `QuantCache(bits=4)`, `bits=3` and `bits=2` resolve to (the defaults of
-`QuantCacheConfig` were chosen by the same runs); the presets name them and the K/V splits beside them. Every preset rotates values (`rotation="hadamard"`, `rotate="v"`: head_dim must be a multiple of 8), scales each
-value token by one least-squares number with Gaussian Lloyd-Max levels (`v_scale="norm"`), keeps keys per channel
-in blocks of 128 tokens, unrotated, on uniform levels (at 2 bits on data-free Lloyd-Max levels), and holds the
-residual window 8-bit (`window_bits=8`). Why
-these (docs/results, one document each, KL against the default cache over the second half of the context):
+`QuantCacheConfig` were chosen by the same runs); the presets name them and the K/V splits beside them. Every preset
+rotates values (`rotation="hadamard"`, `rotate="v"`: head_dim must be a multiple of 8), scales each value token by
+one least-squares number with Gaussian Lloyd-Max levels (`v_scale="norm"`), keeps keys per channel in blocks of 128
+tokens, unrotated, on uniform levels (at 2 bits on data-free Lloyd-Max levels), and holds the residual window 8-bit
+(`window_bits=8`). Why these (docs/results, one document each, KL against the default cache over the second half of
+the context):
 
 - value rotation with `v_scale="norm"`: on SmolLM2-135M at 8192 tokens, 3-bit KL 0.0285 -> 0.0209 at 0.12 fewer
   bits/value (`levers2-smollm2-135m.md`, with keys rotated too); on Gemma-3-270M at 32768 tokens 0.0071 -> 0.0060
@@ -26,10 +27,11 @@ these (docs/results, one document each, KL against the default cache over the se
   at 3 and 4 bits they cost 1.05-1.4x the KL, so wider keys stay uniform.
 - "k3v2" keeps 256 recent tokens: 3-bit keys with 2-bit values at KL 0.018 (3.08 bits/value) where 128 give 0.027.
 
-What each measures: `presets-smollm2-135m.md` and `presets-gemma3-270m.md` (made with these exact options). Two
-limits those runs show: at 2 bits SmolLM2 does better still with its keys rotated too (k2v2 on uniform levels: Δ PPL
-+15 %; on Lloyd-Max levels +7.4 %; rotated on Lloyd-Max: +5.4 %, `window-smollm2-135m.md`), while Gemma-3's keys lose five times more KL rotated at 3 bits, so
-pass rotate="kv" per model after measuring it; and at 3-bit keys the needles far back in the context are lost more
+What each measures: `presets-smollm2-135m.md` and `presets-gemma3-270m.md` (made with these exact options; k2v2
+there still on uniform key levels). Two limits those runs show: at 2 bits SmolLM2 does better still with its keys
+rotated too (k2v2 on uniform levels: Δ PPL +15 %; on Lloyd-Max levels +7.4 %; rotated on Lloyd-Max: +5.4 %,
+`window-smollm2-135m.md`), while Gemma-3's keys lose five times more KL rotated at 3 bits, so pass rotate="kv" per
+model after measuring it; and at 3-bit keys the needles far back in the context are lost more
 often than with the default cache (SmolLM2 at 8192: 13 % found against 43 %) although KL and perplexity barely move:
 keep needles with 4-bit keys, rotated where the model takes it (SmolLM2: `QuantCache(k_bits=4, v_bits=2,
 rotate="kv")`, 3.48 bits/value, 33 % at 8192, `needles-keys2-smollm2-135m.md`, `k4v2kv-smollm2-135m.md`), on
