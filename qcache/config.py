@@ -11,7 +11,7 @@ from the others (`QuantCacheConfig._resolve_defaults`, order `AUTO_OPTIONS`):
     levels       "lloyd-max" when every width it applies to is 2 bits (the keys; min-max values too), unless
                  static_keys or codebooks=True ask for uniform levels, else "uniform": at 2 bits Lloyd-Max key
                  levels cut KL to 0.37x on SmolLM2 and 0.83x on Gemma-3, at 3 and 4 bits they cost 1.05-1.4x
-                 (bench/ablation.py runs in docs/results)
+                 (bench/ablation.py runs in docs/results); they lose the few needles 2-bit uniform keys keep
     v_scale      "norm" when values are rotated and ungrouped (no outliers, clip_search or v_group_size), else "minmax"
     codebooks    True when a calibration file's levels apply to a stream (uniform levels and unrotated keys, or
                  unrotated min-max values: `codebook_streams`), else False
