@@ -131,9 +131,10 @@ def _needle_table(run: dict) -> list[str]:
     lengths = sorted(refs)
     if not lengths:
         return []
-    lines = ["", f"Needles ({run['settings']['needles']} per length, depths 5-95 %): found % (needles found in the first / "
-             "middle / last third of the depths) and bits/value held after the fill; 'kept' says whether every share is at or above "
-             "the lower end of the default cache's Wilson 95 % interval, at every length and third.", "",
+    lines = ["", f"Needles ({run['settings']['needles']} per length, depths 5-95 %): found % (needles found in the "
+             "first / middle / last third of the depths) and bits/value held after the fill; 'kept' says whether every "
+             "share is at or above the lower end of the default cache's Wilson 95 % interval, at every length and "
+             "third.", "",
              "| cache | " + " | ".join(f"{n} found % | {n} bits/value" for n in lengths) + " | kept |",
              "|---|" + "---:|---:|" * len(lengths) + "---|"]
     labels = list(dict.fromkeys(r["cache"] for r in rows))

@@ -195,7 +195,7 @@ class QuantLayer(CacheLayerMixin):
         self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
         # an 8-bit sliding layer holds its whole window 8-bit per token (the residual's 8-bit form) and evicts token
         # by token: no key blocks, so no block being filled and no whole-block slack beyond the window
-        self.window_only = self.is_sliding and cfg.k_bits == 8 and cfg.v_bits == 8
+        self.window_only = self.is_sliding and cfg.holds_window_only()
         # set by QuantCache each forward: the attention is qcache_fp32, which can attend from the codes directly
         self.fused_attention = False
         self._clear()
@@ -343,10 +343,12 @@ class QuantLayer(CacheLayerMixin):
 
     def _flush(self) -> None:
         """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` in full precision."""
+        if self.window_only:
+            return
         s = self.store
         G = self.k_codec.group
         n = (s.length("residual") - self.cfg.recent_tokens) // G * G
-        if n <= 0 or self.window_only:
+        if n <= 0:
             return
         k, v = (t[:, :, :n] for t in self._window())  # [B, H, n, D]
         # positions of these tokens: they follow the sinks and the quantized region of their row

@@ -296,6 +296,11 @@ class QuantCacheConfig:
         return dataclasses.replace(self, bits=None, k_bits=self.sliding_bits, v_bits=self.sliding_bits,
                                    sliding_bits=None)
 
+    def holds_window_only(self) -> bool:
+        """Whether a quantized sliding-window layer with these options keeps no key blocks: at 8 bits for keys and
+        values its whole window stays in the residual as 8-bit tokens (qcache/cache.py)."""
+        return self.k_bits == 8 and self.v_bits == 8
+
     def for_layer(self, idx: int) -> "QuantCacheConfig":
         """The options of layer `idx`: its `layer_bits` pair as k_bits/v_bits (these options when none are set)."""
         if self.layer_bits is None:

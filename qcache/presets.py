@@ -27,12 +27,12 @@ the context):
   at 3 and 4 bits they cost 1.05-1.4x the KL, so wider keys stay uniform.
 - "k3v2" keeps 256 recent tokens: 3-bit keys with 2-bit values at KL 0.018 (3.08 bits/value) where 128 give 0.027.
 
-What each measures: `presets-smollm2-135m.md` and `presets-gemma3-270m.md` (made with these exact options; k2v2
-there still on uniform key levels). Two limits those runs show: at 2 bits SmolLM2 does better still with its keys
+What each measures: `presets-smollm2-135m.md` and `presets-gemma3-270m.md` (made with these exact options, re-run at
+7d9a312). Two limits those runs show: at 2 bits SmolLM2 does better still with its keys
 rotated too (k2v2 on uniform levels: Δ PPL +15 %; on Lloyd-Max levels +7.4 %; rotated on Lloyd-Max: +5.4 %,
 `window-smollm2-135m.md`), while Gemma-3's keys lose five times more KL rotated at 3 bits, so pass rotate="kv" per
-model after measuring it; and at 3-bit keys the needles far back in the context are lost more
-often than with the default cache (SmolLM2 at 8192: 13 % found against 43 %) although KL and perplexity barely move:
+model after measuring it; and at 3-bit keys the needles far back in the context are lost more often than with the
+default cache (SmolLM2 at 8192: 13 % found against 40 %; at 2 bits none are kept on either model) although KL and perplexity barely move:
 keep needles with 4-bit keys, rotated where the model takes it (SmolLM2: `QuantCache(k_bits=4, v_bits=2,
 rotate="kv")`, 3.48 bits/value, 33 % at 8192, `needles-keys2-smollm2-135m.md`, `k4v2kv-smollm2-135m.md`), on
 uniform levels (Lloyd-Max key levels lose needles: `needles-keys-smollm2-135m.md`).

@@ -240,7 +240,7 @@ def cache_bytes(geometry: Geometry, fmt: str, num_tokens: int,
         sliding = kv_bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, PLAIN_FORMATS["16-bit"]) * sliding_tokens
     else:
         layer = dataclasses.replace(cfg.for_sliding_layer(0), sink_tokens=0)  # sliding layers keep no sinks
-        if layer.k_bits == layer.v_bits == 8:  # the whole window as 8-bit tokens, no key blocks (qcache/cache.py)
+        if layer.holds_window_only():  # the whole window as 8-bit tokens, no key blocks
             layer = dataclasses.replace(layer, recent_tokens=sliding_tokens, window_bits=8)
         sliding = layer.bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, sliding_tokens) * sliding_tokens
     return full, sliding
