@@ -51,6 +51,8 @@ def _levers(row: dict) -> dict:
     sliding = o.get("sliding_layers", "native")
     if sliding == "quantized" and o.get("sliding_bits") is not None:
         sliding = f"{o['sliding_bits']}-bit"
+    elif sliding == "tokens":  # each window token quantized on its own
+        sliding = f"{o.get('sliding_bits') or 'same'}-bit tokens"
     return {
         "kv": f"K{o['k_bits']}V{o['v_bits']}" if "bits_per_value" not in o else f"plan ≤ {o['bits_per_value']}",
         "rotation": "-" if rot == "none" else f"{rot} ({o.get('rotate') or 'kv'})",

@@ -14,9 +14,10 @@ Layout of one layer (B = batch, H = kv heads, D = head_dim, G = k_group_size, to
     ========== ======================================= ============================================
 
 A sliding-window layer quantized like the others (`sliding_layers="quantized"`) drops whole key blocks once they fall
-out of its window. At 8 bits for keys and values (`sliding_bits=8`) it has no blocks at all: every token of its
-window stays in the residual, 8-bit per token and head, and is trimmed token by token, so it holds its window at about
-half the bytes of the 16-bit one.
+out of its window. At 8 bits for keys and values (`sliding_bits=8`), or with `sliding_layers="tokens"` at any width, it
+has no blocks at all: every token of its window stays in the residual, quantized on its own per token and head as it
+arrives (8-bit min-max; below 8 bits rotated onto Gaussian levels with one scale), and is trimmed token by token: at 8
+bits about half the bytes of the 16-bit window, at 4 bits about a quarter.
 
 Every tensor lives in one `PackedStore` (qcache/store.py), declared once by the codecs (qcache/codec.py) and the
 layer: preallocated, appended in place, dropped from the front, cropped and batch-indexed as a whole. Positions are
@@ -172,7 +173,8 @@ class QuantLayer(CacheLayerMixin):
                                  f"{layer_idx} has none); allowed without one: static_keys=False")
             k_consts["static_zero"], k_consts["static_scale"] = (calibration["k_static_zero"],
                                                                  calibration["k_static_scale"])  # [H, D] each
-        if cfg.levels == "lloyd-max":  # data-free levels (the value group is known at the first update)
+        self.window_only = sliding_window is not None and cfg.holds_window_only()
+        if cfg.levels == "lloyd-max" and not self.window_only:  # data-free levels (value group known at first update)
             k_consts["codebook"] = levels_tensor(cfg.k_bits, cfg.k_group_size, cfg.outliers)
         self.consts = {"k": k_consts, "v": v_consts}
         self._rotation = rotation
@@ -193,9 +195,8 @@ class QuantLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
-        # an 8-bit sliding layer holds its whole window 8-bit per token (the residual's 8-bit form) and evicts token
-        # by token: no key blocks, so no block being filled and no whole-block slack beyond the window
-        self.window_only = self.is_sliding and cfg.holds_window_only()
+        # self.window_only (set above): the layer holds its whole window as tokens quantized one by one and evicts
+        # token by token: no key blocks, so no block being filled and no whole-block slack beyond the window
         # set by QuantCache each forward: the attention is qcache_fp32, which can attend from the codes directly
         self.fused_attention = False
         self._clear()
@@ -214,7 +215,9 @@ class QuantLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.v_codec = ValueCodec(group=self.cfg.value_group_size(D), **self._v_codec_args)
-        if self.cfg.v_scale == "norm":
+        if self.window_only:  # its tokens have codecs of their own (`_token_codecs`)
+            pass
+        elif self.cfg.v_scale == "norm":
             self.consts["v"]["codebook"] = gaussian_levels_tensor(self.cfg.v_bits)
         elif self.cfg.levels == "lloyd-max":
             self.consts["v"]["codebook"] = levels_tensor(self.cfg.v_bits, self.v_codec.group, self.cfg.outliers)
@@ -228,12 +231,16 @@ class QuantLayer(CacheLayerMixin):
                 self.consts[stream]["rotation"] = self._rotation.on(self.device)
         self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
         full = [Part(name, "sink", (D,), self.dtype, "full_precision") for name in ("sink_k", "sink_v")]
-        if self.cfg.window_bits == 8 or self.window_only:  # 8-bit per token (min-max, a scale/zero per token, head)
+        if self.window_only:  # every token of the window on its own, at this layer's widths (`token_form`)
+            self.window_codecs, self.window_consts = self._token_codecs(D)
+            full += [part for codec in self.window_codecs for part in codec.parts(D, self.dtype)]
+        elif self.cfg.window_bits == 8:  # 8-bit per token (min-max, a scale/zero per token, head)
             self.window_codecs = tuple(ValueCodec(bits=8, group=D, scale_dtype=_SCALE_DTYPES[self.cfg.scale_dtype],
                                                   prefix=prefix, axis="residual") for prefix in ("wk_", "wv_"))
+            self.window_consts = ({}, {})
             full += [part for codec in self.window_codecs for part in codec.parts(D, self.dtype)]
         else:
-            self.window_codecs = None
+            self.window_codecs = self.window_consts = None
             full += [Part(name, "residual", (D,), self.dtype, "full_precision") for name in ("res_k", "res_v")]
         G = self.k_codec.group
         self.store = PackedStore(self.k_codec.parts(D, self.dtype) + self.v_codec.parts(D, self.dtype) + full, B, H,
@@ -248,6 +255,25 @@ class QuantLayer(CacheLayerMixin):
                 if t is not None and t.device != self.device:
                     consts[name] = t.to(self.device)
         self.is_initialized = True
+
+    def _token_codecs(self, D: int) -> tuple[tuple[ValueCodec, ValueCodec], tuple[dict, dict]]:
+        """Codecs (and their constants) of a window-only sliding layer's key and value tokens: per token and head,
+        in the form `QuantCacheConfig.token_form` names for each width."""
+        codecs, consts = [], []
+        scale_dtype = _SCALE_DTYPES[self.cfg.scale_dtype]
+        for prefix, bits in (("wk_", self.cfg.k_bits), ("wv_", self.cfg.v_bits)):
+            form = self.cfg.token_form(bits)
+            if form == "norm":
+                codecs.append(ValueCodec(bits=bits, group=D, scale_dtype=scale_dtype, codebook=True, rotation=True,
+                                         norm=True, prefix=prefix, axis="residual"))
+                consts.append({"rotation": self._rotation.on(self.device),
+                               "codebook": gaussian_levels_tensor(bits).to(self.device)})
+            else:
+                group = D if form == "minmax8" else self.cfg.token_group_size(D)
+                codecs.append(ValueCodec(bits=bits, group=group, scale_dtype=scale_dtype, prefix=prefix,
+                                         axis="residual"))
+                consts.append({})
+        return tuple(codecs), tuple(consts)
 
     @property
     def quantized_length(self) -> int:
@@ -329,8 +355,8 @@ class QuantLayer(CacheLayerMixin):
         if self.window_codecs is None:
             self.store.append("residual", res_k=k, res_v=v)
             return
-        ck, cv = self.window_codecs
-        self.store.append("residual", **ck.encode(k.float(), {}), **cv.encode(v.float(), {}))
+        (ck, cv), (kc, vc) = self.window_codecs, self.window_consts
+        self.store.append("residual", **ck.encode(k.float(), kc), **cv.encode(v.float(), vc))
 
     def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual window's keys (after RoPE) and values [B, H, R, D] in the cache dtype."""
@@ -338,8 +364,8 @@ class QuantLayer(CacheLayerMixin):
         if self.window_codecs is None:
             return s.view("res_k"), s.view("res_v")
         views = s.views("residual")
-        return tuple(torch.cat(c.planes({n: t for n, t in views.items() if n.startswith(c.prefix)}, {}),
-                               dim=-1).to(self.dtype) for c in self.window_codecs)
+        return tuple(torch.cat(c.planes({n: t for n, t in views.items() if n.startswith(c.prefix)}, consts),
+                               dim=-1).to(self.dtype) for c, consts in zip(self.window_codecs, self.window_consts))
 
     def _flush(self) -> None:
         """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` in full precision."""
@@ -545,7 +571,8 @@ class QuantLayer(CacheLayerMixin):
             packed=parts["packed"], scales=parts["scales"] + _nbytes(self.consts["k"].get("static_zero"),
                                                                      self.consts["k"].get("static_scale")),
             outliers=parts["outliers"], full_precision=parts["full_precision"],
-            codebooks=_nbytes(self.consts["k"]["codebook"], self.consts["v"]["codebook"]),
+            codebooks=_nbytes(self.consts["k"]["codebook"], self.consts["v"]["codebook"],
+                              *(c.get("codebook") for c in self.window_consts or ())),
             positions=_nbytes(self.first), reserved=parts["reserved"], tokens=self.stored_length(), rotation=rotation,
         )
 
@@ -730,9 +757,11 @@ class QuantCache(Cache):
                 window = text_config.sliding_window
                 if self.options.sliding_layers == "native":
                     layers.append(SlidingWindowLayer(sliding_window=window))
-                else:
-                    layers.append(QuantLayer(self.options.for_sliding_layer(idx), idx, rope, sliding_window=window,
-                                             calibration=calib, rotation=self._rotation))
+                else:  # a window-only layer quantizes tokens one by one: no calibrated levels or ranges apply
+                    own = self.options.for_sliding_layer(idx)
+                    layers.append(QuantLayer(own, idx, rope, sliding_window=window,
+                                             calibration=None if own.holds_window_only() else calib,
+                                             rotation=self._rotation))
             else:
                 raise ValueError(
                     f"layer {idx} of model_type={fingerprint['model_type']!r} has layer type {layer_type!r}; "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
-SLIDING_MODES = ("native", "quantized")
+SLIDING_MODES = ("native", "quantized", "tokens")
 ROPE_MODES = ("pre", "post")
 KERNELS = ("auto", "eager", "compiled")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
@@ -71,7 +71,13 @@ class QuantCacheConfig:
         rope: "pre" stores keys before RoPE (RoPE undone on the way in, re-applied on the way out); "post" stores
             them as attention produced them.
         sliding_layers: "native" keeps sliding-window layers (bounded by their window) in full precision;
-            "quantized" quantizes them like full-attention layers.
+            "quantized" quantizes them like full-attention layers (key blocks; at 8 bits for keys and values, the
+            window as 8-bit tokens: see `sliding_bits`); "tokens" holds only their window, every token quantized on
+            its own as it arrives: keys (after RoPE) and values per token and head, at `sliding_bits` (or the layer's
+            k_bits/v_bits), no key blocks, no full-precision tokens, trimmed token by token. Below 8 bits each token
+            is Hadamard-rotated and scaled by one least-squares number onto Gaussian Lloyd-Max levels (the
+            `v_scale="norm"` form, for keys too) when rotation="hadamard", else min-max per group of
+            `v_group_size` channels; at 8 bits min-max per token and head.
         scale_dtype: dtype of the stored scales and zero-points.
         clip_search: per group, try ranges shrunk to CLIP_RATIOS of [min, max] and keep the one with the least
             squared error (costs time when tokens are quantized, nothing when they are read).
@@ -119,7 +125,7 @@ class QuantCacheConfig:
             included; a layer kept native ignores its pair), instead of `k_bits`/`v_bits` for all. The number of
             pairs must equal the model's layers (checked when the cache binds to a model). `python -m qcache.calibrate
             --bits-per-value B` chooses them from measured sensitivities and stores them in its file.
-        sliding_bits: with sliding_layers="quantized": the width of keys and values in sliding-window layers (2, 3,
+        sliding_bits: with sliding_layers="quantized" or "tokens": the width of keys and values in sliding-window layers (2, 3,
             4 or 8; None: the same as the other layers; not combinable with layer_bits, which sets every layer's
             widths itself). A sliding layer at 8 bits (keys and values) holds no key blocks: its whole window is
             kept as the residual's 8-bit tokens (keys after RoPE, one scale and zero per token and head, whatever
@@ -194,10 +200,10 @@ class QuantCacheConfig:
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
         if self.sliding_bits is not None:
             _check_choice("sliding_bits", self.sliding_bits, SUPPORTED_BITS)
-            if self.sliding_layers != "quantized":
+            if self.sliding_layers == "native":
                 raise ValueError(f"sliding_bits={self.sliding_bits} sets the width of quantized sliding-window layers, "
                                  f"but sliding_layers={self.sliding_layers!r} keeps them as they are; allowed: "
-                                 "sliding_layers='quantized' with it, or sliding_bits=None")
+                                 "sliding_layers='quantized' or 'tokens' with it, or sliding_bits=None")
             if self.layer_bits is not None:
                 raise ValueError(f"sliding_bits={self.sliding_bits} and layer_bits both set the widths of sliding "
                                  "layers; allowed: one of them (layer_bits holds a pair for every layer)")
@@ -297,9 +303,33 @@ class QuantCacheConfig:
                                    sliding_bits=None)
 
     def holds_window_only(self) -> bool:
-        """Whether a quantized sliding-window layer with these options keeps no key blocks: at 8 bits for keys and
-        values its whole window stays in the residual as 8-bit tokens (qcache/cache.py)."""
-        return self.k_bits == 8 and self.v_bits == 8
+        """Whether a quantized sliding-window layer with these options keeps no key blocks: with
+        sliding_layers="tokens", or at 8 bits for keys and values, its whole window stays in the residual, each token
+        quantized on its own (`token_form`; qcache/cache.py)."""
+        return self.sliding_layers == "tokens" or (self.k_bits == 8 and self.v_bits == 8)
+
+    def token_form(self, bits: int) -> str:
+        """How a window-only sliding layer holds a `bits`-wide key or value token: "minmax8" (8 bits: a scale and a
+        zero per token and head), "norm" (below 8 bits with a rotation: rotated, one least-squares scale, Gaussian
+        levels) or "minmax" (below 8 bits unrotated: a scale and a zero per group of `v_group_size` channels)."""
+        if bits == 8:
+            return "minmax8"
+        return "norm" if self.rotation != "none" else "minmax"
+
+    def token_bytes(self, head_dim: int) -> float:
+        """Bytes per token and head of a window-only sliding layer's key and value together."""
+        sb = SCALE_DTYPES[self.scale_dtype]
+        total = 0.0
+        for bits in (self.k_bits, self.v_bits):
+            form = self.token_form(bits)
+            groups = 1 if form != "minmax" else head_dim // self.token_group_size(head_dim)
+            total += head_dim * bits / 8 + groups * (1 if form == "norm" else 2) * sb
+        return total
+
+    def token_group_size(self, head_dim: int) -> int:
+        """Channels per scale/zero of an unrotated window-only token below 8 bits (`v_group_size`, or the largest
+        multiple of 8 up to 64 that divides head_dim)."""
+        return dataclasses.replace(self, v_scale="minmax").value_group_size(head_dim)
 
     def for_layer(self, idx: int) -> "QuantCacheConfig":
         """The options of layer `idx`: its `layer_bits` pair as k_bits/v_bits (these options when none are set)."""

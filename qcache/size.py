@@ -19,7 +19,8 @@ qcache rows come from `QuantCacheConfig.bytes_per_token` (packed codes, scales/z
 sink, recent and filling-block tokens, one position per row), so they depend on the context they are averaged over.
 
 Sliding-window layers (`layer_types` with "sliding_attention") hold at most `sliding_window` tokens, so at long context they cost a constant; every "per token" figure here is total bytes / context. Under qcache
-they follow `QuantCacheConfig.sliding_layers`: "native" keeps them in 16-bit, "quantized" quantizes them.
+they follow `QuantCacheConfig.sliding_layers`: "native" keeps them in 16-bit, "quantized" quantizes them (key blocks),
+"tokens" quantizes each token of their window on its own.
 
 Units are binary: KiB = 1024 B, GiB = 1024**3 B.
 """
@@ -240,9 +241,12 @@ def cache_bytes(geometry: Geometry, fmt: str, num_tokens: int,
         sliding = kv_bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, PLAIN_FORMATS["16-bit"]) * sliding_tokens
     else:
         layer = dataclasses.replace(cfg.for_sliding_layer(0), sink_tokens=0)  # sliding layers keep no sinks
-        if layer.holds_window_only():  # the whole window as 8-bit tokens, no key blocks
-            layer = dataclasses.replace(layer, recent_tokens=sliding_tokens, window_bits=8)
-        sliding = layer.bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, sliding_tokens) * sliding_tokens
+        if layer.holds_window_only():  # the whole window as tokens quantized one by one, no key blocks
+            layer.check_head_dim(g.head_dim)
+            positions = 8  # the int64 position of the row's first token, per layer
+            sliding = g.sliding_layers * (g.kv_heads * sliding_tokens * layer.token_bytes(g.head_dim) + positions)
+        else:
+            sliding = layer.bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, sliding_tokens) * sliding_tokens
     return full, sliding
 
 

@@ -300,8 +300,53 @@ def test_8bit_sliding_layers_hold_their_window_as_8bit_tokens():
         assert chunked.layers[0].store.length("residual") == min(seen, 23)
 
 
+def _window_error(layer, ref_layer, n):
+    """Relative RMS error of a sliding layer's held keys and values against DynamicCache's last `n` tokens."""
+    keys, values = layer._window()
+    return [((ours.float() - theirs[:, :, -n:].float()).norm() / theirs[:, :, -n:].float().norm()).item()
+            for ours, theirs in ((keys, ref_layer.keys), (values, ref_layer.values))]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_token_sliding_layers_hold_their_window_as_rotated_tokens(bits):
+    """sliding_layers="tokens": a sliding layer holds exactly its window, each token quantized on its own (rotated,
+    one scale per token and head, Gaussian levels), at the bytes that form costs; its first layer's keys and values
+    (inputs the same as DynamicCache's) come back within the error of their width, less at 4 bits than at 2."""
+    model = make_model("gemma3")  # layers: sliding (window 24), full, sliding
+    ids = prompt(100)
+    cache, ref = QuantCache(bits=4, sliding_layers="tokens", sliding_bits=bits, **OPTS), DynamicCache(config=model.config)
+    logits(model, ids, cache), logits(model, ids, ref)
+    sliding, full = cache.layers[0], cache.layers[1]
+    assert sliding.window_only and not full.window_only and full.cfg.k_bits == 4
+    assert sliding.quantized_length == 0 and sliding.store.length("residual") == 23
+    assert [c.norm and c.bits for c in sliding.window_codecs] == [bits, bits]
+    mem = sliding.memory()
+    D, H = model.config.head_dim, model.config.num_key_value_heads
+    held = mem.total - mem.reserved - mem.rope - mem.rotation - mem.codebooks
+    assert held == pytest.approx(23 * 2 * H * (D * bits / 8 + 2), abs=64)  # codes + one float16 scale, K and V
+    k_err, v_err = _window_error(sliding, ref.layers[0], 23)
+    limit = {2: 0.45, 4: 0.13}[bits]  # Gaussian Lloyd-Max RMS error: 0.34 at 2 bits, 0.097 at 4
+    assert 0.5 * limit < k_err < limit and 0.5 * limit < v_err < limit, (k_err, v_err)
+    again = QuantCache(bits=4, sliding_layers="tokens", sliding_bits=bits, **OPTS)
+    out = generate(model, ids, again, max_new_tokens=6)  # decoding goes on, token by token
+    assert out.shape[1] == 106 and again.layers[0].store.length("residual") == 23
+
+
+def test_token_sliding_layers_without_rotation_use_minmax_groups():
+    model = make_model("gemma3")
+    cache = QuantCache(bits=4, sliding_layers="tokens", rotation="none", **OPTS)
+    logits(model, prompt(60), cache)
+    layer = cache.layers[0]
+    assert [(c.norm, c.rotation, c.group) for c in layer.window_codecs] == [(False, False, 16)] * 2
+    mem = layer.memory()
+    D, H = model.config.head_dim, model.config.num_key_value_heads
+    held = mem.total - mem.reserved - mem.rope - mem.rotation - mem.codebooks
+    assert held == pytest.approx(23 * 2 * H * (D * 4 / 8 + D // 16 * 2 * 2), abs=64)  # a scale and a zero per group
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"sliding_bits": 8}, r"sliding_bits=8.*sliding_layers='native'.*allowed: sliding_layers='quantized'"),
+    ({"sliding_layers": "window"}, r"sliding_layers='window'.*\['native', 'quantized', 'tokens'\]"),
     ({"sliding_bits": 5, "sliding_layers": "quantized"}, r"sliding_bits=5.*\[2, 3, 4, 8\]"),
     ({"sliding_bits": 8, "sliding_layers": "quantized", "layer_bits": [(4, 4)] * 3}, "sliding_bits=8 and layer_bits"),
 ])

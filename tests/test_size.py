@@ -358,3 +358,14 @@ def test_8bit_sliding_layers_are_estimated_as_their_window_in_8bit_tokens():
     # int64 first position
     assert sliding == pytest.approx(5 * (512 * 2 * 2 * (64 + 4) + 8))
     assert sliding < 0.55 * cache_bytes(g, "16-bit", 32768)[1]
+
+
+@pytest.mark.parametrize("rotation,per_token", [("hadamard", 64 // 2 + 2), ("none", 64 // 2 + 64 // 16 * 4)])
+def test_token_sliding_layers_are_estimated_as_their_window_of_4bit_tokens(rotation, per_token):
+    g = Geometry(6, 2, 64, sliding_layers=5, sliding_window=512)
+    cfg = QuantCacheConfig(sliding_layers="tokens", sliding_bits=4, rotation=rotation, v_group_size=None
+                           if rotation == "hadamard" else 16)
+    _, sliding = cache_bytes(g, "qcache-2bit", 32768, cfg)
+    # per sliding layer: 512 tokens x 2 heads x K and V x (32 bytes of 4-bit codes + one float16 scale, or a scale
+    # and a zero per 16 channels unrotated), + the int64 first position
+    assert sliding == pytest.approx(5 * (512 * 2 * 2 * per_token + 8))
