@@ -49,10 +49,13 @@ def _levers(row: dict) -> dict:
     o = _options(row)
     rot = o.get("rotation") or "none"
     sliding = o.get("sliding_layers", "native")
-    if sliding == "quantized" and o.get("sliding_bits") is not None:
-        sliding = f"{o['sliding_bits']}-bit"
+    widths = o.get("sliding_bits")
+    if widths is not None and o.get("sliding_v_bits") not in (None, widths):
+        widths = f"K{widths}V{o['sliding_v_bits']}"
+    if sliding == "quantized" and widths is not None:
+        sliding = f"{widths}-bit"
     elif sliding == "tokens":  # each window token quantized on its own
-        sliding = f"{o.get('sliding_bits') or 'same'}-bit tokens"
+        sliding = f"{widths or 'same'}-bit tokens"
     return {
         "kv": f"K{o['k_bits']}V{o['v_bits']}" if "bits_per_value" not in o else f"plan ≤ {o['bits_per_value']}",
         "rotation": "-" if rot == "none" else f"{rot} ({o.get('rotate') or 'kv'})",

@@ -130,6 +130,8 @@ class QuantCacheConfig:
             widths itself). A sliding layer at 8 bits (keys and values) holds no key blocks: its whole window is
             kept as the residual's 8-bit tokens (keys after RoPE, one scale and zero per token and head, whatever
             `window_bits` says) and trimmed token by token, about half the bytes of the 16-bit window.
+        sliding_v_bits: the width of values in quantized sliding-window layers when it differs from their keys
+            (`sliding_bits`, which it needs): `sliding_bits=8, sliding_v_bits=4` holds 8-bit keys and 4-bit values.
         v_scale: how a value token is scaled (default: "norm" when values are rotated and no option asks for value
             groups: outliers, clip_search, v_group_size; else "minmax"). "minmax": a scale and a zero-point per group of
             `v_group_size` channels, levels spanning the group's [min, max]. "norm": one number per token and head
@@ -167,6 +169,7 @@ class QuantCacheConfig:
     window_bits: int | None = None
     layer_bits: tuple[tuple[int, int], ...] | None = None
     sliding_bits: int | None = None
+    sliding_v_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits is not None:
@@ -207,6 +210,12 @@ class QuantCacheConfig:
             if self.layer_bits is not None:
                 raise ValueError(f"sliding_bits={self.sliding_bits} and layer_bits both set the widths of sliding "
                                  "layers; allowed: one of them (layer_bits holds a pair for every layer)")
+        if self.sliding_v_bits is not None:
+            _check_choice("sliding_v_bits", self.sliding_v_bits, SUPPORTED_BITS)
+            if self.sliding_bits is None:
+                raise ValueError(f"sliding_v_bits={self.sliding_v_bits} sets the value width of sliding layers beside "
+                                 "their key width, sliding_bits, which is None; allowed: sliding_bits=N with it, or "
+                                 "sliding_v_bits=None")
         _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
         _check_choice("kernel", self.kernel, KERNELS)
         _check_nonneg_int("outliers", self.outliers)
@@ -295,12 +304,13 @@ class QuantCacheConfig:
         return self.v_group_size
 
     def for_sliding_layer(self, idx: int) -> "QuantCacheConfig":
-        """The options of sliding-window layer `idx` when it is quantized: `sliding_bits` for keys and values if set,
-        else `for_layer(idx)`."""
+        """The options of sliding-window layer `idx` when it is quantized: `sliding_bits` for keys and values (values
+        `sliding_v_bits` if set) if set, else `for_layer(idx)`."""
         if self.sliding_bits is None:
             return self.for_layer(idx)
-        return dataclasses.replace(self, bits=None, k_bits=self.sliding_bits, v_bits=self.sliding_bits,
-                                   sliding_bits=None)
+        v_bits = self.sliding_bits if self.sliding_v_bits is None else self.sliding_v_bits
+        return dataclasses.replace(self, bits=None, k_bits=self.sliding_bits, v_bits=v_bits, sliding_bits=None,
+                                   sliding_v_bits=None)
 
     def holds_window_only(self) -> bool:
         """Whether a quantized sliding-window layer with these options keeps no key blocks: with

@@ -344,7 +344,22 @@ def test_token_sliding_layers_without_rotation_use_minmax_groups():
     assert held == pytest.approx(23 * 2 * H * (D * 4 / 8 + D // 16 * 2 * 2), abs=64)  # a scale and a zero per group
 
 
+def test_sliding_v_bits_sets_the_value_width_of_sliding_layers():
+    model = make_model("gemma3")
+    cache = QuantCache(bits=2, sliding_layers="tokens", sliding_bits=8, sliding_v_bits=4, **OPTS)
+    logits(model, prompt(60), cache)
+    layer = cache.layers[0]
+    assert [(c.bits, c.norm) for c in layer.window_codecs] == [(8, False), (4, True)]
+    assert (layer.cfg.k_bits, layer.cfg.v_bits, cache.layers[1].cfg.k_bits) == (8, 4, 2)
+    mem = layer.memory()
+    D, H = model.config.head_dim, model.config.num_key_value_heads
+    held = mem.total - mem.reserved - mem.rope - mem.rotation - mem.codebooks
+    assert held == pytest.approx(23 * H * ((D + 4) + (D // 2 + 2)), abs=64)  # 8-bit keys + scale/zero, 4-bit values
+
+
 @pytest.mark.parametrize("kwargs,match", [
+    ({"sliding_v_bits": 4, "sliding_layers": "tokens"}, r"sliding_v_bits=4.*sliding_bits, which is None"),
+    ({"sliding_v_bits": 5, "sliding_bits": 4, "sliding_layers": "tokens"}, r"sliding_v_bits=5.*\[2, 3, 4, 8\]"),
     ({"sliding_bits": 8}, r"sliding_bits=8.*sliding_layers='native'.*allowed: sliding_layers='quantized'"),
     ({"sliding_layers": "window"}, r"sliding_layers='window'.*\['native', 'quantized', 'tokens'\]"),
     ({"sliding_bits": 5, "sliding_layers": "quantized"}, r"sliding_bits=5.*\[2, 3, 4, 8\]"),

@@ -369,3 +369,11 @@ def test_token_sliding_layers_are_estimated_as_their_window_of_4bit_tokens(rotat
     # per sliding layer: 512 tokens x 2 heads x K and V x (32 bytes of 4-bit codes + one float16 scale, or a scale
     # and a zero per 16 channels unrotated), + the int64 first position
     assert sliding == pytest.approx(5 * (512 * 2 * 2 * per_token + 8))
+
+
+def test_split_token_sliding_layers_are_estimated_per_stream():
+    g = Geometry(6, 2, 64, sliding_layers=5, sliding_window=512)
+    cfg = QuantCacheConfig(sliding_layers="tokens", sliding_bits=8, sliding_v_bits=4)
+    _, sliding = cache_bytes(g, "qcache-2bit", 32768, cfg)
+    # keys: 64 one-byte codes + a float16 scale and zero; values: 32 bytes of 4-bit codes + one float16 scale
+    assert sliding == pytest.approx(5 * (512 * 2 * ((64 + 4) + (32 + 2)) + 8))
