@@ -13,6 +13,14 @@ at `context` tokens: codes, scales, full-precision tokens; not reserved capacity
 a stream costs the same bits in every layer (all layers hold the same number of values), so this greedy choice is
 the best step per bit; it treats the losses of different layers as adding up, which holds for small losses.
 
+Needle floors (`needle_floors`, optional): the KL of ordinary text hardly sees the few heads that retrieve a fact
+from far back, and those can sit in one or two layers (SmolLM2-135M: the keys of layer 18 at 3 bits, every other
+layer at 8, lose 1.9 nats of a needle answer's log-probability, no other layer's more than 0.4). So, before the
+allocation, each (layer, stream) is measured alone, like the sensitivities, on key-value needles in a haystack of
+calibration text: the drop of the needles' mean answer log-probability at 2 bits, then 3 and 4 where it is above
+`threshold` nats; the narrowest width within the threshold (8 if none is) is that stream's floor, and the allocation
+starts from the floors.
+
 Example:
     >>> sens = {(0, "k", 2): 0.3, (0, "k", 3): 0.05, (0, "k", 4): 0.01, (0, "v", 2): 0.1, (0, "v", 3): 0.02,
     ...         (0, "v", 4): 0.005, (1, "k", 2): 0.02, (1, "k", 3): 0.004, (1, "k", 4): 0.001,
@@ -32,9 +40,10 @@ from tqdm.auto import tqdm
 from qcache.config import QuantCacheConfig
 
 __all__ = ["measure_sensitivities", "choose_rotate", "KEY_CHOICES", "reference_logprobs", "allocate",
-           "plan_bits_per_value", "WIDTHS"]
+           "plan_bits_per_value", "needle_floors", "WIDTHS", "FLOOR_WIDTHS"]
 
 WIDTHS = (2, 3, 4)
+FLOOR_WIDTHS = WIDTHS + (8,)  # a needle floor may ask for 8 bits
 _BASE = 8  # every other layer's width while one (layer, stream) is measured
 
 
@@ -134,6 +143,41 @@ def measure_sensitivities(model, input_ids: torch.Tensor, options: QuantCacheCon
     return out, base
 
 
+@torch.no_grad()
+def needle_floors(model, tokenizer, text: str, options: QuantCacheConfig, quantized: list[int], threshold: float,
+                  length: int = 2048, count: int = 16, seed: int = 0, progress: bool = True
+                  ) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str, int], float]]:
+    """({(layer, stream): narrowest width whose needle loss is at most `threshold`}, {(layer, stream, width): loss})
+    (see the module docstring). `text` is the haystack (calibration text); `count` needles in `length` tokens."""
+    from eval.needles import build_needles, fill_cache, score_needles
+    from qcache.cache import QuantCache
+
+    if not threshold > 0:
+        raise ValueError(f"needle threshold={threshold!r} must be > 0 nats")
+    num_layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+    ids, needles = build_needles(tokenizer, text, length, count, seed=seed)
+
+    def answer_logprob(pairs) -> float:
+        opts = dataclasses.replace(options, bits=None, layer_bits=tuple(pairs))
+        scores = score_needles(model, fill_cache(model, QuantCache(model.config, options=opts), ids), needles)
+        return sum(x.logprob for x in scores) / len(scores)
+
+    base_pairs = [(_BASE, _BASE)] * num_layers
+    base = answer_logprob(base_pairs)
+    floors, losses = {}, {}
+    for layer, stream in tqdm([(la, st) for la in quantized for st in ("k", "v")], desc="needle floors",
+                              disable=not progress):
+        floors[(layer, stream)] = FLOOR_WIDTHS[-1]
+        for w in WIDTHS:
+            pairs = list(base_pairs)
+            pairs[layer] = (w, _BASE) if stream == "k" else (_BASE, w)
+            losses[(layer, stream, w)] = loss = max(base - answer_logprob(pairs), 0.0)
+            if loss <= threshold:
+                floors[(layer, stream)] = w
+                break
+    return floors, losses
+
+
 def plan_bits_per_value(options: QuantCacheConfig, pairs, quantized: list[int], kv_heads: int, head_dim: int,
                         context: int) -> float:
     """Bits per value a plan holds at `context` tokens, over the quantized layers (`bytes_per_token` of their
@@ -145,15 +189,20 @@ def plan_bits_per_value(options: QuantCacheConfig, pairs, quantized: list[int], 
 
 def allocate(sensitivities: dict[tuple[int, str, int], float], options: QuantCacheConfig, budget: float,
              num_layers: int, quantized: list[int], kv_heads: int, head_dim: int, context: int,
-             widths: tuple[int, ...] = WIDTHS) -> tuple[tuple[int, int], ...]:
+             widths: tuple[int, ...] = WIDTHS, floors: dict[tuple[int, str], int] | None = None
+             ) -> tuple[tuple[int, int], ...]:
     """One (k_bits, v_bits) per layer within `budget` bits/value (see the module docstring); layers not in
-    `quantized` (kept native) get the narrowest pair. Raises if even the narrowest plan is over the budget."""
+    `quantized` (kept native) get the narrowest pair. `floors` ({(layer, "k"|"v"): width}, `needle_floors`): the
+    widths those streams start from (at least; a floor above `widths` stays as it is). Raises if even the
+    narrowest plan is over the budget."""
     widths = tuple(sorted(widths))
-    pairs = [[widths[0], widths[0]] for _ in range(num_layers)]
+    floors = floors or {}
+    pairs = [[max(widths[0], floors.get((layer, st), widths[0])) for st in ("k", "v")] for layer in range(num_layers)]
     lowest = plan_bits_per_value(options, pairs, quantized, kv_heads, head_dim, context)
     if lowest > budget:
-        raise ValueError(f"budget {budget} bits/value is below the narrowest plan ({widths[0]}-bit keys and values: "
-                         f"{lowest:.3f} bits/value at {context} tokens); allowed: a budget of at least that")
+        what = "with the needle floors" if floors else f"{widths[0]}-bit keys and values"
+        raise ValueError(f"budget {budget} bits/value is below the narrowest plan ({what}: {lowest:.3f} bits/value "
+                         f"at {context} tokens); allowed: a budget of at least that")
     # bits/value is a mean over layers, so widening one layer changes it by that layer's own difference
     def layer_bits(pair) -> float:
         return plan_bits_per_value(options, [pair], [0], kv_heads, head_dim, context) / len(quantized)
@@ -165,7 +214,7 @@ def allocate(sensitivities: dict[tuple[int, str, int], float], options: QuantCac
         for layer in quantized:
             for stream, i in index.items():
                 w = pairs[layer][i]
-                if w == widths[-1]:
+                if w >= widths[-1]:
                     continue
                 nxt = widths[widths.index(w) + 1]
                 gain = sensitivities[(layer, stream, w)] - sensitivities[(layer, stream, nxt)]

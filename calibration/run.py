@@ -18,7 +18,7 @@ from qcache.calibfile import CalibrationData
 from qcache.config import QuantCacheConfig
 from qcache.rope import RopeHelper, has_rope
 
-from .budget import allocate, choose_rotate, measure_sensitivities, plan_bits_per_value, reference_logprobs
+from .budget import allocate, choose_rotate, measure_sensitivities, needle_floors, plan_bits_per_value, reference_logprobs
 from .collect import collect_statistics
 from .fit import CLIP_CANDIDATES, fit_codebook, fit_static_key_range, key_samples, value_samples
 
@@ -60,7 +60,8 @@ def kv_absmax(stats: dict[int, dict[str, torch.Tensor]], text_config, seq_len: i
 def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, settings: dict, seed: int = 0,
               progress: bool = True, budget: float | None = None, context: int | None = None,
               sensitivity_ids: torch.Tensor | None = None, choose_rotation: bool = False,
-              try_levels: bool = True, rotation_ids: torch.Tensor | None = None) -> CalibrationData:
+              try_levels: bool = True, rotation_ids: torch.Tensor | None = None,
+              needles: dict | None = None) -> CalibrationData:
     """Run `model` over `input_ids` [N, L] and fit, for every full-attention layer (and sliding layers when
     `options.sliding_layers == "quantized"`): key/value codebooks for the layer's k_bits/v_bits and static key ranges;
     and for every layer the K (after RoPE) / V ranges (`kv_absmax`).
@@ -68,6 +69,11 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
     With `budget` (bits/value at `context` tokens): per-layer widths first (`calibration.budget`: sensitivities
     measured on `sensitivity_ids` [N, L], greedy allocation), stored as the file's `layer_bits`, the sensitivities in
     its settings.
+
+    With `needles` ({"tokenizer", "text", "threshold", "length", "count"}; needs `budget`): needle floors first
+    (`calibration.budget.needle_floors`: each (layer, stream) at the narrowest width whose needle answers lose at most
+    `threshold` nats on a haystack of `text`), which the allocation starts from; floors and losses go into the
+    settings.
 
     With `choose_rotation`: whether keys are rotated too (`rotate="v"` or `"kv"`, rotated keys also on Lloyd-Max
     levels with `try_levels`) is chosen first, by the KL each gives on `rotation_ids` [N, L] (default:
@@ -82,6 +88,8 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
               if t == "full_attention" or (t == "sliding_attention" and options.sliding_layers == "quantized")}
     if rotation_ids is None:
         rotation_ids = sensitivity_ids
+    if needles is not None and budget is None:
+        raise ValueError("needle floors shape a per-layer plan: give a budget (bits/value) with them")
     if budget is not None and sensitivity_ids is None:
         raise ValueError("a budget needs the sequences to measure on (sensitivity_ids)")
     if choose_rotation and rotation_ids is None:
@@ -96,10 +104,21 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
         if context is None:
             raise ValueError("a budget needs the context it is counted at")
         quantized = sorted(wanted)
+        floors = None
+        if needles is not None:
+            floors, losses = needle_floors(model, needles["tokenizer"], needles["text"], options, quantized,
+                                           needles["threshold"], length=needles["length"], count=needles["count"],
+                                           seed=seed, progress=progress)
+            settings = {**settings, "needle_threshold": needles["threshold"], "needle_length": needles["length"],
+                        "needle_count": needles["count"],
+                        "needle_floors": {f"{layer}.{stream}": w for (layer, stream), w in floors.items()},
+                        "needle_losses": {f"{layer}.{stream}.{w}": round(v, 4) for (layer, stream, w), v in losses.items()}}
+            log.info("needle floors above %d bits: %s", min(floors.values()),
+                     {k: w for k, w in floors.items() if w > min(floors.values())})
         sens, base_kl = measure_sensitivities(model, sensitivity_ids, options, quantized, progress=progress,
                                               reference=reference)
         heads, head_dim = fingerprint["num_key_value_heads"], fingerprint["head_dim"]
-        plan = allocate(sens, options, budget, len(layer_types), quantized, heads, head_dim, context)
+        plan = allocate(sens, options, budget, len(layer_types), quantized, heads, head_dim, context, floors=floors)
         options = dataclasses.replace(options, bits=None, layer_bits=plan)
         settings = {**settings, "budget_bits_per_value": budget, "budget_context": context,
                     "plan_bits_per_value": round(plan_bits_per_value(options, plan, quantized, heads, head_dim,

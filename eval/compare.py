@@ -137,6 +137,9 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     evaluation never reads) and use the file; other options are returned unchanged. With a rotation and no `rotate`
     in the spec, the calibration also chooses whether keys are rotated (`calibration.budget.choose_rotate`)."""
     if spec.options.get("calibration") != "auto":
+        if "needle_floor" in spec.options and "bits_per_value" not in spec.options:
+            raise ValueError(f"needle_floor={spec.options['needle_floor']} sets floors under the widths "
+                             "bits_per_value chooses; allowed: calibration=auto,bits_per_value=B,needle_floor=NATS")
         if "bits_per_value" in spec.options:
             raise ValueError(f"bits_per_value={spec.options['bits_per_value']} needs calibration=auto (the widths are "
                              "chosen by calibrating); allowed: calibration=auto,bits_per_value=B")
@@ -148,9 +151,13 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
 
     bits, options = parse_cache_options({k: v for k, v in spec.options.items() if k != "calibration"})
     budget = options.pop("bits_per_value", None)
+    needle_floor = options.pop("needle_floor", None)
+    if needle_floor is not None and budget is None:
+        raise ValueError(f"needle_floor={needle_floor} sets floors under the widths bits_per_value chooses; allowed: "
+                         "calibration=auto,bits_per_value=B,needle_floor=NATS")
     config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
     if budget is not None:  # per-layer widths within `budget` bits/value at the model's full context
-        budget = {"budget": budget, "samples": 1, "seq_len": 2048,
+        budget = {"budget": budget, "samples": 1, "seq_len": 2048, "needle_floor": needle_floor,
                   "context": max_context(model, "a model that sets it (bits_per_value counts at the full context)")}
     from qcache.models import default_cache_dir
 
@@ -162,7 +169,8 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True, budget=budget,
                                            choose_rotation=choose, try_levels=try_levels))
     log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
-    return {**{k: v for k, v in spec.options.items() if k != "bits_per_value"}, "calibration": str(path)}
+    return {**{k: v for k, v in spec.options.items() if k not in ("bits_per_value", "needle_floor")},
+            "calibration": str(path)}
 
 
 def _use(lm, spec: CacheSpec) -> str | None:

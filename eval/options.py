@@ -18,7 +18,7 @@ __all__ = ["CACHE_OPTIONS", "chunk_bounds", "parse_cache_options", "to_bool", "t
 # QuantCacheConfig fields a user may set (`extra` is internal), plus the calibration file
 # (`layer_bits` comes with a calibration file: `calibration=auto,bits_per_value=B` chooses it for a budget)
 CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "layer_bits") + (
-    "calibration", "bits_per_value", "preset")
+    "calibration", "bits_per_value", "needle_floor", "preset")
 _INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type).startswith("int")}
 _BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
@@ -67,11 +67,11 @@ def parse_cache_options(options: dict) -> tuple[int | None, dict]:
             value = to_int(name, value)
         elif name in _BOOL_OPTIONS:
             value = to_bool(name, value)
-        elif name == "bits_per_value" and value is not None:
+        elif name in ("bits_per_value", "needle_floor") and value is not None:
             try:
                 value = float(value)
             except (TypeError, ValueError):
-                raise ValueError(f"bits_per_value={value!r} must be a number") from None
+                raise ValueError(f"{name}={value!r} must be a number") from None
         if value is not None:
             parsed[name] = str(value) if name == "calibration" else value
     return parsed.pop("bits", None), parsed

@@ -89,6 +89,10 @@ def rotation_choice(options: QuantCacheConfig, given: dict) -> tuple[bool, bool]
     return options.rotation != "none" and "rotate" not in given, "levels" not in given
 
 
+NEEDLE_FLOOR_LENGTH = 2048  # tokens of the haystack the needle floors are measured on (at most the model's context)
+NEEDLE_FLOOR_COUNT = 16  # needles in it
+
+
 def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
                     samples: int = 16, seq_len: int = 512, seed: int = 0, dtype: str | None = None,
                     progress: bool = True, budget: dict | None = None, choose_rotation: bool = False,
@@ -96,8 +100,10 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
     """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved).
 
     `dtype` is recorded in the file's settings; None records the dtype the model's weights are in. `budget`
-    ({"budget": bits/value, "context": tokens, "samples": n, "seq_len": L}) also chooses per-layer widths, measured
-    on n other sequences of L tokens of the same text. `choose_rotation` chooses whether keys are rotated too
+    ({"budget": bits/value, "context": tokens, "samples": n, "seq_len": L, optional "needle_floor": nats}) also
+    chooses per-layer widths, measured on n other sequences of L tokens of the same text; with "needle_floor" no
+    layer's keys or values go narrower than what keeps needles in that text (`calibration.budget.needle_floors`:
+    NEEDLE_FLOOR_COUNT needles in NEEDLE_FLOOR_LENGTH tokens). `choose_rotation` chooses whether keys are rotated too
     (`calibration.budget.choose_rotate`; rotated keys also tried on Lloyd-Max levels with `try_levels`), measured on
     `rotation_measure` = (n, L): n sequences of L tokens, L None for the model's maximum context (the context the
     cache is for: on SmolLM2-135M at 2 bits, 2048 tokens rank uniform levels first and 8192 Lloyd-Max)."""
@@ -117,6 +123,10 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
     settings = {"model": model_name, "data_source": source, "data_sha256": sha, "samples": samples,
                 "seq_len": seq_len, "dtype": dtype}
     sens_ids = rotation_ids = None
+    needles = None
+    if budget is not None and budget.get("needle_floor") is not None:
+        needles = {"tokenizer": tokenizer, "text": text, "threshold": budget["needle_floor"],
+                   "length": min(NEEDLE_FLOOR_LENGTH, max_context(model, "--needle-floor")), "count": NEEDLE_FLOOR_COUNT}
     if budget is not None:
         sens_ids = sample_sequences(tokenizer, text, budget["samples"], budget["seq_len"], seed + 1,
                                     "--sensitivity-samples/--sensitivity-len")
@@ -128,7 +138,8 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
     return calibrate(model, ids, options, settings, seed=seed, progress=progress,
                      budget=budget["budget"] if budget is not None else None,
                      context=budget["context"] if budget is not None else None, sensitivity_ids=sens_ids,
-                     choose_rotation=choose_rotation, try_levels=try_levels, rotation_ids=rotation_ids)
+                     choose_rotation=choose_rotation, try_levels=try_levels, rotation_ids=rotation_ids,
+                     needles=needles)
 
 
 def parse_option(text: str) -> tuple[str, object]:
@@ -182,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="any other QuantCacheConfig option stored with the file (repeatable)")
     p.add_argument("--bits-per-value", type=float,
                    help="choose per-layer widths (2/3/4 bits for keys and values) within this budget of bits/value")
+    p.add_argument("--needle-floor", type=float, metavar="NATS",
+                   help="with --bits-per-value: no layer's keys or values narrower than the width at which needles "
+                        "in calibration text lose at most NATS of answer log-probability (measured per layer and "
+                        "stream, e.g. 0.15)")
     p.add_argument("--context", type=int,
                    help="with --bits-per-value: the context the budget is counted at (default: the model's maximum)")
     p.add_argument("--sensitivity-samples", type=int, default=None,
@@ -251,13 +266,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"the options stored with the file refuse its codebooks: {err}")
     if args.bits_per_value is not None and args.bits_per_value <= 0:
         p.error(f"--bits-per-value={args.bits_per_value} must be positive")
+    if args.needle_floor is not None and (args.bits_per_value is None or not args.needle_floor > 0):
+        p.error(f"--needle-floor={args.needle_floor} sets floors under the per-layer widths of --bits-per-value: "
+                "give --bits-per-value with it, and a threshold > 0 nats")
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     budget = None
     if args.bits_per_value is not None:
         context = args.context or max_context(model, "--context")
         budget = {"budget": args.bits_per_value, "context": context, "samples": args.sensitivity_samples or 1,
-                  "seq_len": args.sensitivity_len or 2048}
+                  "seq_len": args.sensitivity_len or 2048, "needle_floor": args.needle_floor}
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
                            args.dtype, budget=budget, choose_rotation=choose_rotation,
                            rotation_measure=(args.rotation_samples, args.rotation_len), try_levels=try_levels)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from calibration import calibrate
-from calibration.budget import allocate, choose_rotate, measure_sensitivities, plan_bits_per_value
+from calibration.budget import allocate, choose_rotate, measure_sensitivities, needle_floors, plan_bits_per_value
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import load_calibration
@@ -78,6 +78,47 @@ def test_allocation_under_the_narrowest_plan_raises():
     with pytest.raises(ValueError, match=r"budget 2.2 bits/value is below the narrowest plan \(2-bit keys and "
                                          r"values: 2.25"):
         allocate(_toy_sensitivities(2, [1, 1]), opts, 2.2, 2, [0, 1], 2, 64, 4096)
+
+
+def test_allocation_starts_from_the_needle_floors():
+    opts = QuantCacheConfig(recent_tokens=0, sink_tokens=0)
+    sens = _toy_sensitivities(4, [10.0, 1.0, 1.0, 0.1])
+    quantized = [0, 1, 2, 3]
+    free = allocate(sens, opts, 3.5, 4, quantized, 2, 64, 4096)
+    floored = allocate(sens, opts, 3.5, 4, quantized, 2, 64, 4096, floors={(3, "k"): 8, (2, "v"): 3})
+    assert free[3][0] < 8 and floored[3][0] == 8 and floored[2][1] >= 3  # the floors hold, 8 bits included
+    assert plan_bits_per_value(opts, floored, quantized, 2, 64, 4096) <= 3.5
+    assert floored[0] < free[0]  # the floors' bits come out of the rest
+    with pytest.raises(ValueError, match=r"below the narrowest plan \(with the needle floors: "):
+        allocate(sens, opts, 2.5, 4, quantized, 2, 64, 4096, floors={(l, "k"): 4 for l in range(4)})
+
+
+def test_needle_floors_are_measured_per_layer_and_stream():
+    """On a tiny model (random weights: every stream matters), each (layer, stream) gets the narrowest width whose
+    needle loss is within the threshold, or 8; a huge threshold leaves every stream at 2 bits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from test_doctor import space_letter_tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=284, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=1024, initializer_range=0.2)).eval()
+    tok = space_letter_tokenizer()
+    text = " ".join(["the quiet river ran past the old mill and on into the town."] * 60)
+    floors, losses = needle_floors(model, tok, text, QuantCacheConfig(**OPTS), [0, 1], threshold=1e-6, length=256,
+                                   count=3, progress=False)
+    assert set(floors) == {(i, s) for i in (0, 1) for s in "kv"}
+    for (layer, stream), w in floors.items():
+        measured = [ww for (la, st, ww) in losses if (la, st) == (layer, stream)]
+        assert measured == [x for x in (2, 3, 4) if x <= min(w, 4)]  # measured up to the floor, then stopped
+        assert w == 8 or losses[(layer, stream, w)] <= 1e-6
+    assert any(w > 2 for w in floors.values())
+    relaxed, _ = needle_floors(model, tok, text, QuantCacheConfig(**OPTS), [0, 1], threshold=1e9, length=256,
+                               count=3, progress=False)
+    assert set(relaxed.values()) == {2}
+    with pytest.raises(ValueError, match="threshold=0 must be > 0"):
+        needle_floors(model, tok, text, QuantCacheConfig(**OPTS), [0, 1], threshold=0, length=256, count=3)
 
 
 # --- measurement and the calibration file ------------------------------------------------------------------------------
