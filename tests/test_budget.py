@@ -199,7 +199,8 @@ def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
     monkeypatch.setattr("qcache.calibrate.calibrate_model", fake_calibrate)
     with pytest.raises(RuntimeError, match="stop here"):
         compare.auto_calibration(make_model("llama"), None, spec)
-    assert seen["budget"] == {"budget": 3.5, "samples": 1, "seq_len": 2048, "context": 1024}
+    assert seen["budget"] == {"budget": 3.5, "samples": 1, "seq_len": 2048, "context": 1024,
+                              "needle_floor": None}
     assert seen["config"].rotation == "hadamard" and not seen["config"].codebooks
     assert seen["choose_rotation"]  # no rotate= in the spec: the calibration measures whether keys rotate too
     with pytest.raises(RuntimeError, match="stop here"):
