@@ -44,6 +44,13 @@ def _options(row: dict) -> dict:
     return o
 
 
+def _plan_label(pairs) -> str:
+    """A per-layer plan by its mean widths: "plan K3.4V2.9"."""
+    k = sum(p[0] for p in pairs) / len(pairs)
+    v = sum(p[1] for p in pairs) / len(pairs)
+    return f"plan K{k:.1f}V{v:.1f}"
+
+
 def _levers(row: dict) -> dict:
     """What a row turns on, every option spelled out."""
     o = _options(row)
@@ -57,7 +64,8 @@ def _levers(row: dict) -> dict:
     elif sliding == "tokens":  # each window token quantized on its own
         sliding = f"{widths or 'same'}-bit tokens"
     return {
-        "kv": f"K{o['k_bits']}V{o['v_bits']}" if "bits_per_value" not in o else f"plan ≤ {o['bits_per_value']}",
+        "kv": (f"plan ≤ {o['bits_per_value']}" if "bits_per_value" in o else _plan_label(o["layer_bits"])
+               if o.get("layer_bits") else f"K{o['k_bits']}V{o['v_bits']}"),
         "rotation": "-" if rot == "none" else f"{rot} ({o.get('rotate') or 'kv'})",
         "levels": o.get("levels", "uniform"),
         "value scale": o.get("v_scale") or "minmax",

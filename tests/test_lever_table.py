@@ -90,3 +90,9 @@ def test_needle_only_run_has_no_fidelity_table(tmp_path):
     text = lt.render(path)
     assert "needles only (no fidelity part)" in text and "predictions scored" not in text
     assert "| K/V bits |" not in text and "| quant | 40 (1 / 3 / 8) |" in text
+
+
+def test_a_recorded_per_layer_plan_is_named_by_its_mean_widths():
+    row = _row({"kind": "quant", "bits": None, "options": {"calibration": "plan.safetensors"}}, 3.5, 0.01, 0.2)
+    row["options"] = {**{k: v for k, v in lt.LEGACY_DEFAULTS.items()}, "layer_bits": [[4, 2], [3, 3]]}
+    assert lt._levers(row)["kv"] == "plan K3.5V2.5"
