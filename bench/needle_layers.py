@@ -1,6 +1,7 @@
 """Which layers' keys or values lose the needles: one layer's stream narrowed at a time, every other layer 8-bit.
 
-    python bench/needle_layers.py --model smollm2-135m --stream k --bits 3 --out docs/results/needle-layers-smollm2-135m-k3.md
+    python bench/needle_layers.py --model smollm2-135m --stream k --bits 3 \
+        --out docs/results/needle-layers-smollm2-135m-k3.md
 
 A haystack of `--length` tokens of the calibration split (never the eval text) with `--needles` key-value needles
 (`eval.needles`); for each layer, a cache whose layer_bits are (8, 8) everywhere except that layer's keys (or values)
@@ -60,12 +61,14 @@ def main(argv=None) -> int:
         logprob, found = run(QuantCache(layer_bits=pairs))
         rows.append((layer, logprob - base[0], found))
     state = git_state() or {"commit": "unknown", "dirty": True}
-    lines = [f"# Needle loss per layer: {args.model}, {'keys' if args.stream == 'k' else 'values'} at {args.bits} bits",
+    stream = "keys" if args.stream == "k" else "values"
+    lines = [f"# Needle loss per layer: {args.model}, {stream} at {args.bits} bits",
              "", f"Command: `python bench/needle_layers.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
-             "", f"git {state['commit'][:10]} ({'uncommitted changes' if state['dirty'] else 'clean tree'}); {args.needles} needles in "
+             "", f"git {state['commit'][:10]} ({'uncommitted changes' if state['dirty'] else 'clean tree'}); "
+             f"{args.needles} needles in "
              f"{args.length} tokens of the calibration split (seed {args.seed}); bf16; {time.time() - start:.0f} s.",
-             "", f"Default cache: mean answer log-prob {default[0]:.3f}, found {default[1]}/{args.needles}; every layer "
-             f"8-bit: {base[0]:.3f}, found {base[1]}/{args.needles}.", "",
+             "", f"Default cache: mean answer log-prob {default[0]:.3f}, found {default[1]}/{args.needles}; "
+             f"every layer 8-bit: {base[0]:.3f}, found {base[1]}/{args.needles}.", "",
              "| layer | Δ answer log-prob vs all 8-bit | found |", "|---:|---:|---:|"]
     lines += [f"| {layer} | {d:+.3f} | {f}/{args.needles} |" for layer, d, f in rows]
     args.out.write_text("\n".join(lines) + "\n")

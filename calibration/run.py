@@ -18,7 +18,8 @@ from qcache.calibfile import CalibrationData
 from qcache.config import QuantCacheConfig
 from qcache.rope import RopeHelper, has_rope
 
-from .budget import allocate, choose_rotate, measure_sensitivities, needle_floors, plan_bits_per_value, reference_logprobs
+from .budget import (allocate, choose_rotate, measure_sensitivities, needle_floors, plan_bits_per_value,
+                     reference_logprobs)
 from .collect import collect_statistics
 from .fit import CLIP_CANDIDATES, fit_codebook, fit_static_key_range, key_samples, value_samples
 
@@ -112,7 +113,8 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
             settings = {**settings, "needle_threshold": needles["threshold"], "needle_length": needles["length"],
                         "needle_count": needles["count"],
                         "needle_floors": {f"{layer}.{stream}": w for (layer, stream), w in floors.items()},
-                        "needle_losses": {f"{layer}.{stream}.{w}": round(v, 4) for (layer, stream, w), v in losses.items()}}
+                        "needle_losses": {f"{layer}.{stream}.{w}": round(v, 4)
+                                          for (layer, stream, w), v in losses.items()}}
             log.info("needle floors above %d bits: %s", min(floors.values()),
                      {k: w for k, w in floors.items() if w > min(floors.values())})
         sens, base_kl = measure_sensitivities(model, sensitivity_ids, options, quantized, progress=progress,

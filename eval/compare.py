@@ -136,10 +136,10 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     """`calibration=auto`: calibrate the loaded model for this spec's options on the calibration split (text the
     evaluation never reads) and use the file; other options are returned unchanged. With a rotation and no `rotate`
     in the spec, the calibration also chooses whether keys are rotated (`calibration.budget.choose_rotate`)."""
+    if "needle_floor" in spec.options and "bits_per_value" not in spec.options:
+        raise ValueError(f"needle_floor={spec.options['needle_floor']} sets floors under the widths bits_per_value "
+                         "chooses; allowed: calibration=auto,bits_per_value=B,needle_floor=NATS")
     if spec.options.get("calibration") != "auto":
-        if "needle_floor" in spec.options and "bits_per_value" not in spec.options:
-            raise ValueError(f"needle_floor={spec.options['needle_floor']} sets floors under the widths "
-                             "bits_per_value chooses; allowed: calibration=auto,bits_per_value=B,needle_floor=NATS")
         if "bits_per_value" in spec.options:
             raise ValueError(f"bits_per_value={spec.options['bits_per_value']} needs calibration=auto (the widths are "
                              "chosen by calibrating); allowed: calibration=auto,bits_per_value=B")
@@ -152,9 +152,6 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     bits, options = parse_cache_options({k: v for k, v in spec.options.items() if k != "calibration"})
     budget = options.pop("bits_per_value", None)
     needle_floor = options.pop("needle_floor", None)
-    if needle_floor is not None and budget is None:
-        raise ValueError(f"needle_floor={needle_floor} sets floors under the widths bits_per_value chooses; allowed: "
-                         "calibration=auto,bits_per_value=B,needle_floor=NATS")
     config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
     if budget is not None:  # per-layer widths within `budget` bits/value at the model's full context
         budget = {"budget": budget, "samples": 1, "seq_len": 2048, "needle_floor": needle_floor,

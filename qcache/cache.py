@@ -231,13 +231,11 @@ class QuantLayer(CacheLayerMixin):
                 self.consts[stream]["rotation"] = self._rotation.on(self.device)
         self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
         full = [Part(name, "sink", (D,), self.dtype, "full_precision") for name in ("sink_k", "sink_v")]
-        if self.window_only:  # every token of the window on its own, at this layer's widths (`token_form`)
-            self.window_codecs, self.window_consts = self._token_codecs(D)
-            full += [part for codec in self.window_codecs for part in codec.parts(D, self.dtype)]
-        elif self.cfg.window_bits == 8:  # 8-bit per token (min-max, a scale/zero per token, head)
-            self.window_codecs = tuple(ValueCodec(bits=8, group=D, scale_dtype=_SCALE_DTYPES[self.cfg.scale_dtype],
-                                                  prefix=prefix, axis="residual") for prefix in ("wk_", "wv_"))
-            self.window_consts = ({}, {})
+        if self.window_only or self.cfg.window_bits == 8:
+            # a window-only layer: every token of the window on its own, at this layer's widths; else the residual
+            # 8-bit per token (min-max, a scale/zero per token and head)
+            widths = (self.cfg.k_bits, self.cfg.v_bits) if self.window_only else (8, 8)
+            self.window_codecs, self.window_consts = self._token_codecs(D, widths)
             full += [part for codec in self.window_codecs for part in codec.parts(D, self.dtype)]
         else:
             self.window_codecs = self.window_consts = None
@@ -256,12 +254,12 @@ class QuantLayer(CacheLayerMixin):
                     consts[name] = t.to(self.device)
         self.is_initialized = True
 
-    def _token_codecs(self, D: int) -> tuple[tuple[ValueCodec, ValueCodec], tuple[dict, dict]]:
-        """Codecs (and their constants) of a window-only sliding layer's key and value tokens: per token and head,
-        in the form `QuantCacheConfig.token_form` names for each width."""
+    def _token_codecs(self, D: int, widths: tuple[int, int]) -> tuple[tuple[ValueCodec, ValueCodec], tuple[dict, dict]]:
+        """Codecs (and their constants) of residual key and value tokens at `widths` (k, v): per token and head, in
+        the form `QuantCacheConfig.token_form` names for each width."""
         codecs, consts = [], []
         scale_dtype = _SCALE_DTYPES[self.cfg.scale_dtype]
-        for prefix, bits in (("wk_", self.cfg.k_bits), ("wv_", self.cfg.v_bits)):
+        for prefix, bits in zip(("wk_", "wv_"), widths):
             form = self.cfg.token_form(bits)
             if form == "norm":
                 codecs.append(ValueCodec(bits=bits, group=D, scale_dtype=scale_dtype, codebook=True, rotation=True,

@@ -125,9 +125,9 @@ class QuantCacheConfig:
             included; a layer kept native ignores its pair), instead of `k_bits`/`v_bits` for all. The number of
             pairs must equal the model's layers (checked when the cache binds to a model). `python -m qcache.calibrate
             --bits-per-value B` chooses them from measured sensitivities and stores them in its file.
-        sliding_bits: with sliding_layers="quantized" or "tokens": the width of keys and values in sliding-window layers (2, 3,
-            4 or 8; None: the same as the other layers; not combinable with layer_bits, which sets every layer's
-            widths itself). A sliding layer at 8 bits (keys and values) holds no key blocks: its whole window is
+        sliding_bits: with sliding_layers="quantized" or "tokens": the width of keys and values in sliding-window
+            layers (2, 3, 4 or 8; None: the same as the other layers; not combinable with layer_bits, which sets
+            every layer's widths itself). A sliding layer at 8 bits (keys and values) holds no key blocks: its whole window is
             kept as the residual's 8-bit tokens (keys after RoPE, one scale and zero per token and head, whatever
             `window_bits` says) and trimmed token by token, about half the bytes of the 16-bit window.
         sliding_v_bits: the width of values in quantized sliding-window layers when it differs from their keys
