@@ -139,6 +139,9 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     if "needle_floor" in spec.options and "bits_per_value" not in spec.options:
         raise ValueError(f"needle_floor={spec.options['needle_floor']} sets floors under the widths bits_per_value "
                          "chooses; allowed: calibration=auto,bits_per_value=B,needle_floor=NATS")
+    if "needle_length" in spec.options and "needle_floor" not in spec.options:
+        raise ValueError(f"needle_length={spec.options['needle_length']} is the haystack the needle floors are "
+                         "measured on; allowed: calibration=auto,bits_per_value=B,needle_floor=NATS,needle_length=N")
     if spec.options.get("calibration") != "auto":
         if "bits_per_value" in spec.options:
             raise ValueError(f"bits_per_value={spec.options['bits_per_value']} needs calibration=auto (the widths are "
@@ -152,9 +155,11 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     bits, options = parse_cache_options({k: v for k, v in spec.options.items() if k != "calibration"})
     budget = options.pop("bits_per_value", None)
     needle_floor = options.pop("needle_floor", None)
+    needle_length = options.pop("needle_length", None)
     config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
     if budget is not None:  # per-layer widths within `budget` bits/value at the model's full context
         budget = {"budget": budget, "samples": 1, "seq_len": 2048, "needle_floor": needle_floor,
+                  "needle_length": needle_length,
                   "context": max_context(model, "a model that sets it (bits_per_value counts at the full context)")}
     from qcache.models import default_cache_dir
 
@@ -166,7 +171,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     save_calibration(path, calibrate_model(model, tokenizer, config, name, progress=True, budget=budget,
                                            choose_rotation=choose, try_levels=try_levels))
     log.info("%s: calibrated in %.0f s -> %s", spec.label, time.perf_counter() - start, path)
-    return {**{k: v for k, v in spec.options.items() if k not in ("bits_per_value", "needle_floor")},
+    return {**{k: v for k, v in spec.options.items() if k not in ("bits_per_value", "needle_floor", "needle_length")},
             "calibration": str(path)}
 
 

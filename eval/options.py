@@ -18,7 +18,7 @@ __all__ = ["CACHE_OPTIONS", "chunk_bounds", "parse_cache_options", "to_bool", "t
 # QuantCacheConfig fields a user may set (`extra` is internal), plus the calibration file
 # (`layer_bits` comes with a calibration file: `calibration=auto,bits_per_value=B` chooses it for a budget)
 CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "layer_bits") + (
-    "calibration", "bits_per_value", "needle_floor", "preset")
+    "calibration", "bits_per_value", "needle_floor", "needle_length", "preset")
 _INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type).startswith("int")}
 _BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
@@ -63,7 +63,7 @@ def parse_cache_options(options: dict) -> tuple[int | None, dict]:
         raise ValueError(f"unknown cache options {unknown}; allowed: {sorted(CACHE_OPTIONS)}")
     parsed = {}
     for name, value in options.items():
-        if name in _INT_OPTIONS:
+        if name in _INT_OPTIONS or name == "needle_length":
             value = to_int(name, value)
         elif name in _BOOL_OPTIONS:
             value = to_bool(name, value)

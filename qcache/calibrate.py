@@ -89,8 +89,18 @@ def rotation_choice(options: QuantCacheConfig, given: dict) -> tuple[bool, bool]
     return options.rotation != "none" and "rotate" not in given, "levels" not in given
 
 
-NEEDLE_FLOOR_LENGTH = 2048  # tokens of the haystack the needle floors are measured on (at most the model's context)
+NEEDLE_FLOOR_LENGTH = 2048  # default tokens of the needle floors' haystack (at most the model's context)
 NEEDLE_FLOOR_COUNT = 16  # needles in it
+
+
+def needle_length(model, length: int | None) -> int:
+    """Tokens of the needle floors' haystack: `length`, or NEEDLE_FLOOR_LENGTH; at most the model's context."""
+    context = max_context(model, "--needle-floor")
+    if length is None:
+        return min(NEEDLE_FLOOR_LENGTH, context)
+    if not 0 < length <= context:
+        raise ValueError(f"needle_length={length} tokens: allowed 1 to the model's context, {context}")
+    return int(length)
 
 
 def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str, data: Path | None = None,
@@ -100,10 +110,11 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
     """Calibrate a loaded model on `data` (default: the calibration split) -> CalibrationData (not saved).
 
     `dtype` is recorded in the file's settings; None records the dtype the model's weights are in. `budget`
-    ({"budget": bits/value, "context": tokens, "samples": n, "seq_len": L, optional "needle_floor": nats}) also
-    chooses per-layer widths, measured on n other sequences of L tokens of the same text; with "needle_floor" no
-    layer's keys or values go narrower than what keeps needles in that text (`calibration.budget.needle_floors`:
-    NEEDLE_FLOOR_COUNT needles in NEEDLE_FLOOR_LENGTH tokens). `choose_rotation` chooses whether keys are rotated too
+    ({"budget": bits/value, "context": tokens, "samples": n, "seq_len": L, optional "needle_floor": nats and
+    "needle_length": tokens}) also chooses per-layer widths, measured on n other sequences of L tokens of the same
+    text; with "needle_floor" no layer's keys or values go narrower than what keeps needles in that text
+    (`calibration.budget.needle_floors`: NEEDLE_FLOOR_COUNT needles in "needle_length" tokens, default
+    NEEDLE_FLOOR_LENGTH or the model's context if shorter). `choose_rotation` chooses whether keys are rotated too
     (`calibration.budget.choose_rotate`; rotated keys also tried on Lloyd-Max levels with `try_levels`), measured on
     `rotation_measure` = (n, L): n sequences of L tokens, L None for the model's maximum context (the context the
     cache is for: on SmolLM2-135M at 2 bits, 2048 tokens rank uniform levels first and 8192 Lloyd-Max)."""
@@ -126,7 +137,7 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
     needles = None
     if budget is not None and budget.get("needle_floor") is not None:
         needles = {"tokenizer": tokenizer, "text": text, "threshold": budget["needle_floor"],
-                   "length": min(NEEDLE_FLOOR_LENGTH, max_context(model, "--needle-floor")), "count": NEEDLE_FLOOR_COUNT}
+                   "length": needle_length(model, budget.get("needle_length")), "count": NEEDLE_FLOOR_COUNT}
     if budget is not None:
         sens_ids = sample_sequences(tokenizer, text, budget["samples"], budget["seq_len"], seed + 1,
                                     "--sensitivity-samples/--sensitivity-len")
@@ -197,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --bits-per-value: no layer's keys or values narrower than the width at which needles "
                         "in calibration text lose at most NATS of answer log-probability (measured per layer and "
                         "stream, e.g. 0.15)")
+    p.add_argument("--needle-length", type=int, metavar="TOKENS",
+                   help=f"with --needle-floor: tokens of calibration text the needles are placed in (default "
+                        f"{NEEDLE_FLOOR_LENGTH}, or the model's context if shorter)")
     p.add_argument("--context", type=int,
                    help="with --bits-per-value: the context the budget is counted at (default: the model's maximum)")
     p.add_argument("--sensitivity-samples", type=int, default=None,
@@ -269,13 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.needle_floor is not None and (args.bits_per_value is None or not args.needle_floor > 0):
         p.error(f"--needle-floor={args.needle_floor} sets floors under the per-layer widths of --bits-per-value: "
                 "give --bits-per-value with it, and a threshold > 0 nats")
+    if args.needle_length is not None and (args.needle_floor is None or args.needle_length <= 0):
+        p.error(f"--needle-length={args.needle_length} is the haystack of --needle-floor: give --needle-floor with "
+                "it, and a length > 0 tokens")
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     budget = None
     if args.bits_per_value is not None:
         context = args.context or max_context(model, "--context")
         budget = {"budget": args.bits_per_value, "context": context, "samples": args.sensitivity_samples or 1,
-                  "seq_len": args.sensitivity_len or 2048, "needle_floor": args.needle_floor}
+                  "seq_len": args.sensitivity_len or 2048, "needle_floor": args.needle_floor,
+                  "needle_length": args.needle_length}
     data = calibrate_model(model, tok, options, args.model, args.data, args.samples, args.seq_len, args.seed,
                            args.dtype, budget=budget, choose_rotation=choose_rotation,
                            rotation_measure=(args.rotation_samples, args.rotation_len), try_levels=try_levels)

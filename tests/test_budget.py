@@ -175,6 +175,20 @@ def test_cli_refuses_options_that_refuse_the_files_codebooks(tmp_path, capsys):
     assert "expected NAME=VALUE with NAME one of" in capsys.readouterr().err
 
 
+def test_needle_haystack_length_defaults_and_is_bounded_by_the_context(tmp_path, capsys):
+    from qcache import calibrate as cli
+
+    model = make_model("llama")  # max_position_embeddings 1024
+    assert cli.needle_length(model, None) == min(cli.NEEDLE_FLOOR_LENGTH, 1024)
+    assert cli.needle_length(model, 512) == 512
+    for bad in (0, 4096):
+        with pytest.raises(ValueError, match=rf"needle_length={bad} tokens: allowed 1 to the model's context, 1024"):
+            cli.needle_length(model, bad)
+    with pytest.raises(SystemExit):
+        cli.main(["--out", str(tmp_path / "x.safetensors"), "--needle-length", "4096"])
+    assert "--needle-length=4096 is the haystack of --needle-floor" in capsys.readouterr().err
+
+
 # --- evaluation specs ----------------------------------------------------------------------------------------------
 
 def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
@@ -200,12 +214,21 @@ def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         compare.auto_calibration(make_model("llama"), None, spec)
     assert seen["budget"] == {"budget": 3.5, "samples": 1, "seq_len": 2048, "context": 1024,
-                              "needle_floor": None}
+                              "needle_floor": None, "needle_length": None}
     assert seen["config"].rotation == "hadamard" and not seen["config"].codebooks
     assert seen["choose_rotation"]  # no rotate= in the spec: the calibration measures whether keys rotate too
     with pytest.raises(RuntimeError, match="stop here"):
         compare.auto_calibration(make_model("llama"), None, CacheSpec.parse("quant:3:calibration=auto,rotate=v"))
     assert not seen["choose_rotation"] and seen["budget"] is None
+    with pytest.raises(RuntimeError, match="stop here"):
+        compare.auto_calibration(make_model("llama"), None, CacheSpec.parse(
+            "quant::calibration=auto,bits_per_value=3.5,needle_floor=0.2,needle_length=512"))
+    assert seen["budget"]["needle_floor"] == 0.2 and seen["budget"]["needle_length"] == 512
+    with pytest.raises(ValueError, match=r"needle_length=512 is the haystack the needle floors"):
+        compare.auto_calibration(None, None, CacheSpec.parse("quant::calibration=auto,bits_per_value=3.5,"
+                                                             "needle_length=512"))
+    with pytest.raises(ValueError, match=r"needle_length=.x. must be an integer"):
+        parse_cache_options({"needle_length": "x"})
 
 
 def test_choose_rotate_keeps_the_lower_kl_and_resolves_the_rest():
