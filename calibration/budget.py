@@ -55,7 +55,7 @@ def _kl_of(model, input_ids: torch.Tensor, make_cache, reference: list[torch.Ten
         cache = make_cache()
         logps = []
         for start in range(0, row.numel(), chunk):
-            out = model(row[None, start:start + chunk], past_key_values=cache, use_cache=True)
+            out = model(row[None, start:start + chunk], cache=cache, use_cache=True)
             logps.append(out.logits[0].float().log_softmax(-1))
         logp = torch.cat(logps)[row.numel() // 2:]
         total += float((ref.exp() * (ref - logp)).sum())
@@ -72,7 +72,7 @@ def reference_logprobs(model, input_ids: torch.Tensor, chunk: int = 256) -> list
     reference = []
     for row in input_ids:
         cache = DynamicCache(config=model.config)
-        logps = [model(row[None, s:s + chunk], past_key_values=cache, use_cache=True).logits[0].float().log_softmax(-1)
+        logps = [model(row[None, s:s + chunk], cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
                  for s in range(0, row.numel(), chunk)]
         reference.append(torch.cat(logps)[row.numel() // 2:])
     return reference

@@ -2,6 +2,7 @@
 text, greedy allocation under a bits/value budget, the plan in the calibration file)."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -126,7 +127,9 @@ def test_needle_floors_are_measured_per_layer_and_stream():
 def test_sensitivities_are_measured_per_layer_stream_and_width():
     model = make_model("llama")
     ids = torch.randint(2, 96, (1, 96), generator=torch.Generator().manual_seed(0))
-    sens, base = measure_sensitivities(model, ids, QuantCacheConfig(**OPTS), [0, 1], chunk=32, progress=False)
+    with warnings.catch_warnings():  # the model is handed the cache as `cache=`, not the deprecated keyword
+        warnings.simplefilter("error", FutureWarning)
+        sens, base = measure_sensitivities(model, ids, QuantCacheConfig(**OPTS), [0, 1], chunk=32, progress=False)
     assert set(sens) == {(i, s, w) for i in (0, 1) for s in "kv" for w in (2, 3, 4)}
     assert base >= 0 and all(v >= 0 for v in sens.values())
     # narrower codes lose more: summed over layers and streams
