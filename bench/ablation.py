@@ -29,7 +29,7 @@ from pathlib import Path
 # 16-bit window)
 NONE = {"rotation": "none", "k_group_size": 64, "window_bits": 16}
 # the defaults (QuantCacheConfig(bits=N), tests/test_defaults.py), spelled out
-DEFAULTS = {"rotation": "hadamard", "rotate": "v", "v_scale": "norm", "levels": "uniform", "k_group_size": 128,
+DEFAULTS = {"rotation": "hadamard", "rotate": "auto", "v_scale": "norm", "levels": "uniform", "k_group_size": 128,
             "window_bits": 8}
 DEFAULTS_AT = {2: {**DEFAULTS, "levels": "lloyd-max"}}  # widths whose defaults differ: 2-bit keys on Lloyd-Max levels
 # a "defaults + lever" row whose lever the defaults of a width already have becomes this "defaults − lever" row
@@ -43,8 +43,8 @@ LEVERS = {
     "value rotation + one scale per token": ({"rotation": "hadamard", "rotate": "v", "v_scale": "norm"},
                                              "defaults − value rotation (and its one scale per token)",
                                              {"rotation": "none", "rotate": "kv", "v_scale": "minmax"}),
-    "key rotation": ({"rotation": "hadamard", "rotate": "k", "v_scale": "minmax"}, "defaults + key rotation",
-                     {"rotate": "kv"}),
+    "key rotation": ({"rotation": "hadamard", "rotate": "k", "v_scale": "minmax"},
+                     "defaults − per-layer key rotation (keys unrotated)", {"rotate": "v"}),
     "Lloyd-Max levels": ({"levels": "lloyd-max"}, "defaults + Lloyd-Max key levels", {"levels": "lloyd-max"}),
     "128-token key blocks": ({"k_group_size": 128}, "defaults − 128-token key blocks (64)", {"k_group_size": 64}),
     "8-bit window": ({"window_bits": 8}, "defaults − 8-bit window (16-bit)", {"window_bits": 16}),

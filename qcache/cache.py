@@ -29,6 +29,7 @@ dequantized keys (RoPE re-applied) and values for the quantized region, the stor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -156,6 +157,12 @@ class QuantLayer(CacheLayerMixin):
                  sliding_window: int | None = None, calibration: dict[str, torch.Tensor] | None = None,
                  rotation: SharedRotation | None = None):
         super().__init__()
+        self._init_args = (layer_idx, rope, sliding_window, calibration, rotation)
+        # rotate="auto": keys rotated or not is decided per layer before its first update (`choose_key_rotation`); a
+        # window-only layer has no key blocks, so nothing to decide (its tokens have codecs of their own)
+        if cfg.rotate == "auto" and sliding_window is not None and cfg.holds_window_only():
+            cfg = dataclasses.replace(cfg, rotate="v")
+        self.key_rotation_ratio: float | None = None  # rotate="auto": the estimate the choice was made on
         self.cfg = cfg
         calibration = calibration or {}
         _check_calibration_options(cfg, bool(calibration))
@@ -201,6 +208,20 @@ class QuantLayer(CacheLayerMixin):
         self.fused_attention = False
         self._clear()
 
+    def choose_key_rotation(self, ratio: float | None) -> None:
+        """rotate="auto": rotate this layer's keys if `ratio` (estimated score error rotated / unrotated,
+        qcache/keyrot.py) is below 1, else (or with None: no estimate) leave them unrotated (and on a calibration
+        file's key levels, if any)."""
+        if self.cfg.rotate != "auto":
+            raise RuntimeError(f"layer {self.layer_idx} has rotate={self.cfg.rotate!r}: nothing to choose")
+        if self.is_initialized:
+            raise RuntimeError(f"layer {self.layer_idx} already holds tokens; its key rotation is chosen before that")
+        rotate = "kv" if ratio is not None and ratio < 1 else "v"
+        cfg = dataclasses.replace(self.cfg, rotate=rotate, codebooks=bool(self.cfg.codebooks) and rotate == "v")
+        fused = self.fused_attention  # set by the cache each forward, possibly before this layer's first update
+        self.__init__(cfg, *self._init_args)
+        self.key_rotation_ratio, self.fused_attention = None if ratio is None else float(ratio), fused
+
     # -- state -----------------------------------------------------------------------------------------------
     def _clear(self) -> None:
         self.is_initialized = False
@@ -213,6 +234,14 @@ class QuantLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
+        if self.cfg.rotate == "auto":
+            if not self.cfg.rotate_defaulted:
+                raise RuntimeError(f"layer {self.layer_idx}: rotate='auto' but no key rotation was chosen before the "
+                                   "first update (QuantCache.update chooses it; a QuantLayer used on its own needs "
+                                   "choose_key_rotation(ratio) first, or rotate='v' / 'kv')")
+            logger.warning("layer %d: a QuantLayer used on its own, rotate left at its default ('auto'): keys unrotated "
+                           "(no model weights to decide by); pass rotate='v' to say so or rotate='kv'", self.layer_idx)
+            self.choose_key_rotation(None)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.v_codec = ValueCodec(group=self.cfg.value_group_size(D), **self._v_codec_args)
         if self.window_only:  # its tokens have codecs of their own (`_token_codecs`)
@@ -722,6 +751,7 @@ class QuantCache(Cache):
         self._rotation: SharedRotation | None = None  # rotation="hadamard": one matrix for all layers (at _bind)
         self._config_obj = None
         self._text_config = None
+        self._warned_key_rotation = False  # rotate="auto" left at its default and unable to decide: warned once
         self._explicit = config is not None
         if config is not None:
             self._bind(config.get_text_config(decoder=True), modeling_module=None, prefix=None, config_obj=config)
@@ -837,7 +867,51 @@ class QuantCache(Cache):
             for layer in self.layers:
                 if isinstance(layer, QuantLayer):
                     layer.fused_attention = fused
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if isinstance(layer, QuantLayer) and layer.cfg.rotate == "auto":
+            self._choose_key_rotation(layer, key_states)
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    def _choose_key_rotation(self, layer: "QuantLayer", key_states: torch.Tensor) -> None:
+        """rotate="auto": decide whether `layer` rotates its keys, from the weights of the attention module calling
+        update (qcache/keyrot.py). Raises if that module cannot be found or lacks dense q_proj/k_proj weights."""
+        from .keyrot import key_rotation_ratio, weight_energies
+
+        idx = layer.layer_idx
+        try:
+            module = _find_attention_module(idx)
+            if module is None or getattr(module, "config", None) is None:
+                raise ValueError(
+                    f"rotate='auto' decides per layer from the attention module's q_proj/k_proj weights, and no "
+                    f"attention module of layer {idx} was found up the call stack of Cache.update (called outside a "
+                    "model forward?); allowed without one: rotate='v' (keys unrotated) or rotate='kv'")
+            tc = self._text_config
+            kv_heads = key_states.shape[1]  # this process's share under tensor parallelism
+            heads = tc.num_attention_heads * kv_heads // self._fingerprint["num_key_value_heads"]
+            D = self._fingerprint["head_dim"]
+            rot_dim = int(D * float(getattr(tc, "partial_rotary_factor", None) or 1.0)) // 2 * 2
+            q_energy, k_energy = weight_energies(module, heads, kv_heads, D, rot_dim)
+            ratio = key_rotation_ratio(q_energy, k_energy, self._rotation.on(q_energy.device))
+        except ValueError as err:
+            if not self.options.rotate_defaulted:
+                raise
+            # rotate left at its default: this layer keeps its keys unrotated (the previous default), said once
+            if not self._warned_key_rotation:
+                logger.warning("%s. Keeping keys unrotated where this happens (rotate left at its default); pass "
+                               "rotate='v' to say so or rotate='kv' to rotate them.", str(err).split("; allowed")[0])
+                self._warned_key_rotation = True
+            ratio = None
+        layer.choose_key_rotation(ratio)
+        logger.debug("layer %d: keys %s (estimated rotated/unrotated score error %.3f)", idx,
+                     "rotated" if "k" in layer.cfg.rotate else "unrotated", ratio if ratio is not None else float("nan"))
+
+    @property
+    def key_rotation(self) -> dict[int, dict]:
+        """Per quantized layer: whether its keys are rotated (`rotated`) and, where `rotate="auto"` chose it, the
+        estimated rotated/unrotated score error it chose by (`ratio`; None before that layer's first update)."""
+        return {i: {"rotate": layer.cfg.rotate, "rotated": "k" in layer.cfg.rotate and layer.cfg.rotation != "none"
+                    if layer.cfg.rotate != "auto" else None, "ratio": layer.key_rotation_ratio}
+                for i, layer in enumerate(self.layers) if isinstance(layer, QuantLayer)}
 
     def _refuse_linear_state(self, layer_idx: int, *args, **kwargs):
         raise ValueError(

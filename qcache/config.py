@@ -2,12 +2,14 @@
 
 Defaults: `QuantCacheConfig(bits=N)` for N in 2, 3, 4 is the setting the fidelity runner measured best for its size
 on both test models at their full context (README "Defaults" names the runs): keys per channel in 128-token blocks,
-unrotated, on uniform levels (data-free Lloyd-Max levels at 2 bits); values Hadamard-rotated, one least-squares scale
+rotated or not per layer as the model's weights say (`rotate="auto"`, qcache/keyrot.py), on uniform levels (data-free Lloyd-Max levels at 2 bits); values Hadamard-rotated, one least-squares scale
 per token and head, Gaussian Lloyd-Max levels; the residual window 8-bit. Six options default to None and follow
 from the others (`QuantCacheConfig._resolve_defaults`, order `AUTO_OPTIONS`):
 
     rotation     "hadamard", or "none" with static_keys=True (static key ranges are unrotated)
-    rotate       "v" with a rotation (rotating keys cost Gemma-3 5x its KL), else "kv"
+    rotate       "auto" with a rotation: values rotated, keys rotated in the layers where the weights predict a smaller
+                 score error rotated (qcache/keyrot.py: all of SmolLM2's, none of Gemma-3's global layers, where
+                 rotated keys cost 5x the KL); else "kv"
     levels       "lloyd-max" when every width it applies to is 2 bits (the keys; min-max values too), unless
                  static_keys or codebooks=True ask for uniform levels, else "uniform": at 2 bits Lloyd-Max key
                  levels cut KL to 0.37x on SmolLM2 and 0.83x on Gemma-3, at 3 and 4 bits they cost 1.05-1.4x
@@ -34,7 +36,7 @@ KERNELS = ("auto", "eager", "compiled")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 ROTATIONS = ("none", "hadamard")  # qcache/rotation.py
 LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
-ROTATE = ("kv", "k", "v")  # which of keys and values a rotation applies to
+ROTATE = ("auto", "kv", "k", "v")  # which of keys and values a rotation applies to ("auto": qcache/keyrot.py)
 V_SCALES = ("minmax", "norm")  # qcache/codec.py ValueCodec
 WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
 # options whose default (None) follows from the others (QuantCacheConfig._resolve_defaults), in resolution order
@@ -107,9 +109,13 @@ class QuantCacheConfig:
             Full-precision tokens are not rotated. Not combinable with static_keys (calibrated in unrotated space);
             a calibration file's codebooks apply to the streams left unrotated only.
         rotation_seed: seed of the rotation's ±1 signs (one matrix for every layer of a cache).
-        rotate: what the rotation applies to: "kv" keys and values, "k" keys only, "v" values only. Default: "v"
-            with a rotation (keys rotated lose on Gemma-3 and win on SmolLM2 at 2 bits: pass rotate="kv" after
-            measuring your model), "kv" without one (where it means nothing).
+        rotate: what the rotation applies to: "kv" keys and values, "k" keys only, "v" values only, "auto" values and,
+            layer by layer, the keys where the model's q_proj/k_proj weights predict a smaller score error rotated
+            (qcache/keyrot.py; decided at a layer's first update from the attention module calling it). Default:
+            "auto" with a rotation, "kv" without one (where it means nothing). Where auto cannot decide (no attention
+            module up the call stack, fused or sharded projections, a norm over all heads), rotate="auto" given
+            raises; left at its default, those layers keep keys unrotated (the measured-safe side) and the cache
+            logs a warning naming why. `QuantCache.key_rotation` reports the choice of each layer.
         levels: "uniform" or "lloyd-max" (default: "lloyd-max" when every key width is 2, else "uniform"; see the
             module docstring): data-free non-uniform levels, the Lloyd-Max levels of
             min-max normalized Gaussian groups of the codec's group size (qcache/levels.py); best with
@@ -172,6 +178,9 @@ class QuantCacheConfig:
     sliding_v_bits: int | None = None
 
     def __post_init__(self) -> None:
+        # rotate left unset resolves to "auto", which then does not raise where it cannot decide (keys stay unrotated
+        # and the cache warns); rotate="auto" given raises there. Not a field: a copy (dataclasses.replace) is strict.
+        self.rotate_defaulted = self.rotate is None
         if self.bits is not None:
             _check_choice("bits", self.bits, SUPPORTED_BITS)
             self.k_bits = self.v_bits = self.bits
@@ -265,9 +274,9 @@ class QuantCacheConfig:
         if self.rotation is None:
             self.rotation = "none" if self.static_keys else "hadamard"
         if self.rotate is None:
-            self.rotate = "v" if self.rotation != "none" else "kv"
+            self.rotate = "auto" if self.rotation != "none" else "kv"
         if self.v_scale is None:
-            rotated_values = self.rotation != "none" and self.rotate in ("kv", "v")
+            rotated_values = self.rotation != "none" and self.rotate in ("auto", "kv", "v")
             grouped = self.outliers or self.clip_search or self.v_group_size is not None
             self.v_scale = "norm" if rotated_values and not grouped else "minmax"
         if self.levels is None:  # Lloyd-Max where every stream `levels` applies to is 2-bit (not "norm" values)
@@ -285,7 +294,8 @@ class QuantCacheConfig:
         """The streams a calibration file's codebooks apply to: "k" when keys are unrotated, "v" when values are
         unrotated and min-max scaled (the codebooks were fitted to unrotated groups in their [min, max]); "kv", "k",
         "v" or "". Rotated streams keep their own levels (`v_scale="norm"`: Gaussian ones)."""
-        rotated = self.rotate if self.rotation != "none" else ""
+        # "auto": values rotated; keys left unrotated in some layers, which take the file's key levels
+        rotated = ("v" if self.rotate == "auto" else self.rotate) if self.rotation != "none" else ""
         return ("k" if "k" not in rotated else "") + ("v" if "v" not in rotated and self.v_scale == "minmax" else "")
 
     def value_group_size(self, head_dim: int) -> int:

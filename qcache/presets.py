@@ -45,7 +45,7 @@ from __future__ import annotations
 
 __all__ = ["PRESETS", "preset_options"]
 
-_COMMON = {"rotation": "hadamard", "rotate": "v", "v_scale": "norm", "k_group_size": 128, "window_bits": 8}
+_COMMON = {"rotation": "hadamard", "v_scale": "norm", "k_group_size": 128, "window_bits": 8}
 
 PRESETS: dict[str, dict] = {
     "k4v4": {"k_bits": 4, "v_bits": 4, **_COMMON},

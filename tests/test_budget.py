@@ -14,7 +14,7 @@ from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import load_calibration
 from test_cache import generate, prompt
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2, rotate="v")
 
 
 # --- options and the cache -------------------------------------------------------------------------------------------

@@ -14,17 +14,19 @@ def test_bits_n_is_the_knvn_preset(bits):
     assert QuantCacheConfig(bits=bits).to_dict() == preset.to_dict()
     d = QuantCacheConfig(bits=bits).to_dict()
     assert (d["rotation"], d["rotate"], d["v_scale"], d["k_group_size"], d["window_bits"], d["levels"]) == (
-        "hadamard", "v", "norm", 128, 8, "lloyd-max" if bits == 2 else "uniform")
+        "hadamard", "auto", "norm", 128, 8, "lloyd-max" if bits == 2 else "uniform")
 
 
 @pytest.mark.parametrize("given,resolved", [
-    # the defaults: unrotated keys take a calibration file's codebooks, rotated "norm" values their Gaussian levels
-    ({}, dict(rotation="hadamard", rotate="v", v_scale="norm", codebooks=True, window_bits=8)),
-    ({"bits": 8}, dict(rotation="hadamard", rotate="v", v_scale="norm", codebooks=True, window_bits=16)),
+    # the defaults: keys rotated per layer ("auto"); the layers that keep them unrotated take a calibration file's
+    # codebooks, rotated "norm" values their Gaussian levels
+    ({}, dict(rotation="hadamard", rotate="auto", v_scale="norm", codebooks=True, window_bits=8)),
+    ({"bits": 8}, dict(rotation="hadamard", rotate="auto", v_scale="norm", codebooks=True, window_bits=16)),
     ({"layer_bits": [(4, 4), (8, 2)]}, dict(window_bits=16)),
     ({"static_keys": True}, dict(rotation="none", rotate="kv", v_scale="minmax", codebooks=True)),
     ({"rotation": "none"}, dict(rotate="kv", v_scale="minmax", codebooks=True, window_bits=8)),
-    ({"rotation": "hadamard"}, dict(rotate="v", v_scale="norm", codebooks=True)),
+    ({"rotation": "hadamard"}, dict(rotate="auto", v_scale="norm", codebooks=True)),
+    ({"rotate": "v"}, dict(v_scale="norm", codebooks=True)),
     ({"rotate": "kv"}, dict(v_scale="norm", codebooks=False)),  # no stream left unrotated
     ({"rotate": "k"}, dict(v_scale="minmax", codebooks=True)),  # unrotated min-max values
     ({"rotate": "k"}, dict(rotation="hadamard", v_scale="minmax")),

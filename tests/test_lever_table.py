@@ -49,8 +49,8 @@ def test_resolved_options_win_over_legacy_defaults():
     spec = {"kind": "quant", "bits": 3, "options": {}}
     now = lt._levers({"spec": spec, "options": QuantCacheConfig(bits=3).to_dict()})
     then = lt._levers({"spec": spec})
-    assert (now["rotation"], now["value scale"], now["key block"], now["window bits"]) == ("hadamard (v)", "norm",
-                                                                                          "128", "8")
+    assert (now["rotation"], now["value scale"], now["key block"], now["window bits"]) == ("hadamard (auto)",
+                                                                                          "norm", "128", "8")
     assert (then["rotation"], then["value scale"], then["key block"], then["window bits"]) == ("-", "minmax", "64",
                                                                                              "16")
     sliding = QuantCacheConfig(bits=3, sliding_layers="quantized", sliding_bits=8).to_dict()

@@ -89,7 +89,7 @@ def test_norm_codec_zero_token_and_bits_per_value():
     (dict(NORM, outliers=1), r"got outliers=1; allowed: outliers=0"),
     (dict(NORM, clip_search=True), r"got clip_search=True; allowed: clip_search=False"),
     (dict(NORM, v_group_size=32), r"got v_group_size=32; allowed: v_group_size=None"),
-    (dict(rotate="q", rotation="hadamard"), r"rotate='q' is not supported; allowed values: \['kv', 'k', 'v'\]"),
+    (dict(rotate="q", rotation="hadamard"), r"rotate='q' is not supported; allowed values: \['auto', 'kv', 'k', 'v'\]"),
     (dict(rotate="v", rotation="none"), r"rotate='v' needs a rotation"),
 ])
 def test_bad_options_raise(kwargs, match):
