@@ -323,6 +323,7 @@ class CacheTrack:
     error: str | None = None
     cache: object = None
     values: int | None = None  # the reference: K and V values it held at the end of the last document
+    key_rotation: dict | None = None  # a QuantCache's per-layer key rotation (rotate="auto" decides it per layer)
 
 
 def _timed_forward(track: CacheTrack, model, piece: torch.Tensor, keep: int) -> torch.Tensor:
@@ -378,6 +379,8 @@ def lockstep_document(model, ids: torch.Tensor, doc: int, reference: CacheTrack,
         if track.error is None:
             track.held_bytes.append(reachable_bytes(track.cache))
             track.bits.append(track.held_bytes[-1] * 8 / values)
+            if hasattr(track.cache, "key_rotation"):
+                track.key_rotation = {str(i): c["rotate"] for i, c in track.cache.key_rotation.items()}
             track.cache = None
     reference.values = values
 
@@ -546,6 +549,8 @@ def run_fidelity(model, ids: torch.Tensor, entries: Sequence[CacheEntry], settin
         t = reference if e is ref_entry else by_label[e.label]
         row.update({"bits_per_value": t.bits[-1] if t.bits else None, "held_bytes": t.held_bytes,
                     "values_held": values[-1], "seconds": t.wall, "cpu_seconds": t.cpu})
+        if t.key_rotation is not None:  # "kv": keys rotated in that layer, "v": unrotated
+            row["key_rotation"] = t.key_rotation
         if t.error is not None:
             rows.append({**row, "error": t.error})
         elif e is ref_entry:
