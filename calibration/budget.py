@@ -90,7 +90,7 @@ def choose_rotate(model, input_ids: torch.Tensor, options: QuantCacheConfig, chu
                   reference: list[torch.Tensor] | None = None, try_levels: bool = True
                   ) -> tuple[QuantCacheConfig, dict[str, float]]:
     """Whether this model's keys should be rotated too, and with which levels: the KL (against the default cache,
-    scored like `measure_sensitivities`) of `options` with values rotated only (`rotate="v"`, the default), with keys
+    scored like `measure_sensitivities`) of `options` with values rotated only (`rotate="v"`, keys unrotated), with keys
     and values rotated (`rotate="kv"`) and, with `try_levels`, rotated keys on data-free Lloyd-Max levels
     (`KEY_CHOICES`); calibrated codebooks are left out of all. Returns `options` with the lowest (the options that
     follow from them re-resolved) and the KLs by name ("v", "kv", "kv+lloyd-max"). Rotated keys help some models and
