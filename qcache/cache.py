@@ -239,8 +239,9 @@ class QuantLayer(CacheLayerMixin):
                 raise RuntimeError(f"layer {self.layer_idx}: rotate='auto' but no key rotation was chosen before the "
                                    "first update (QuantCache.update chooses it; a QuantLayer used on its own needs "
                                    "choose_key_rotation(ratio) first, or rotate='v' / 'kv')")
-            logger.warning("layer %d: a QuantLayer used on its own, rotate left at its default ('auto'): keys unrotated "
-                           "(no model weights to decide by); pass rotate='v' to say so or rotate='kv'", self.layer_idx)
+            logger.warning("layer %d: a QuantLayer used on its own, rotate left at its default ('auto'): keys "
+                           "unrotated (no model weights to decide by); pass rotate='v' to say so or rotate='kv'",
+                           self.layer_idx)
             self.choose_key_rotation(None)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.v_codec = ValueCodec(group=self.cfg.value_group_size(D), **self._v_codec_args)
@@ -903,7 +904,8 @@ class QuantCache(Cache):
             ratio = None
         layer.choose_key_rotation(ratio)
         logger.debug("layer %d: keys %s (estimated rotated/unrotated score error %.3f)", idx,
-                     "rotated" if "k" in layer.cfg.rotate else "unrotated", ratio if ratio is not None else float("nan"))
+                     "rotated" if "k" in layer.cfg.rotate else "unrotated",
+                     ratio if ratio is not None else float("nan"))
 
     @property
     def key_rotation(self) -> dict[int, dict]:
