@@ -27,19 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def fake_quant_channels(k: torch.Tensor, bits: int, block: int = 128) -> torch.Tensor:
-    """[H, N, D] keys -> min-max quantized per channel over blocks of `block` tokens (N a multiple of it)."""
-    H, N, D = k.shape
-    kg = k.reshape(H, N // block, block, D)
-    lo, hi = kg.amin(2, keepdim=True), kg.amax(2, keepdim=True)
-    q = 2**bits - 1
-    step = ((hi - lo) / q).clamp(min=1e-12)
-    return (torch.round((kg - lo) / step).clamp(0, q) * step + lo).reshape(H, N, D)
+    """[H, N, D] keys -> quantized and read back per channel over blocks of `block` tokens (N a multiple of it), with
+    the cache's min-max quantizer (`qcache.quant`, float16 scales)."""
+    from qcache.quant import dequantize_grouped, quantize_grouped
+
+    codes, scale, zero = quantize_grouped(k, bits, block, dim=1)
+    return dequantize_grouped(codes, scale, zero, block, dim=1)
 
 
 def measure(model_name: str, tokens: int, bits: int, threads: int) -> dict:
     from calibration.collect import collect_statistics
     from qcache.data import token_sequences
-    from qcache.keyrot import key_rotation_ratio, weight_energies
+    from qcache.keyrot import key_rotation_ratio, rotary_width, weight_energies
     from qcache.models import load_model
     from qcache.rotation import hadamard_rotation
 
@@ -47,7 +46,7 @@ def measure(model_name: str, tokens: int, bits: int, threads: int) -> dict:
     model, tok = load_model(model_name, dtype=torch.float32)
     cfg = model.config.get_text_config(decoder=True)
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rot_dim = int(D * float(getattr(cfg, "partial_rotary_factor", None) or 1.0)) // 2 * 2
+    rot_dim = rotary_width(cfg)
     R = hadamard_rotation(D, 0)  # the cache's matrix (rotation_seed=0)
     ids = token_sequences(tok, "eval", 1, tokens)
     stats = collect_statistics(model, ids, progress=False)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from qcache.keyrot import pair_mean, rotary_width
 from qcache.rope import RopeHelper
 
 __all__ = ["LayerStats", "collect_statistics", "ATTN_NAME"]
@@ -53,14 +54,6 @@ class LayerStats:
             out[name] = join(chunks)
             chunks.clear()
         return out
-
-
-def _pair_energy(q: torch.Tensor, rot_dim: int) -> torch.Tensor:
-    """[..., D] squared queries -> per-channel weight, averaged over each RoPE rotate-half pair."""
-    e = q.pow(2)
-    half = rot_dim // 2
-    paired = (e[..., :half] + e[..., half:rot_dim]) / 2
-    return torch.cat([paired, paired, e[..., rot_dim:]], dim=-1)
 
 
 class _Recorder:
@@ -95,7 +88,7 @@ class _Recorder:
         # [B, H, S, D] -> [H, B*S, D]
         layer.keys.append(pre.transpose(0, 1).reshape(Hkv, -1, D).cpu())
         layer.values.append(v.transpose(0, 1).reshape(Hkv, -1, D).cpu())
-        energy = _pair_energy(q, self.rot_dim).mean(dim=(0, 2))  # [Hq, D]
+        energy = pair_mean(q.pow(2), self.rot_dim).mean(dim=(0, 2))  # [Hq, D]: query energy per RoPE pair
         layer.k_weight.append(energy.view(Hkv, groups, D).mean(1).cpu())
         mass = probs.sum(dim=2).view(B, Hkv, groups, -1).mean(2)  # [B, Hkv, S]: attention received per key
         layer.v_weight.append(mass.transpose(0, 1).reshape(Hkv, -1).cpu())
@@ -140,11 +133,7 @@ def collect_statistics(model, input_ids: torch.Tensor, batch_size: int = 1, prog
     text_config = model.config.get_text_config(decoder=True)
     rope = RopeHelper(text_config) if getattr(text_config, "rope_parameters", None) is not None else None
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    rot_dim = head_dim
-    if rope is not None:
-        cos, _ = rope.cos_sin(torch.zeros(1, 1, dtype=torch.long), 0)
-        rot_dim = cos.shape[-1]
-    recorder = _Recorder(rope, rot_dim)
+    recorder = _Recorder(rope, rotary_width(text_config, rope) if rope is not None else head_dim)
     device = next(model.parameters()).device
     with _registered_attention(ATTN_NAME, recorder, ALL_MASK_ATTENTION_FUNCTIONS["eager"]):
         previous = model.config._attn_implementation

@@ -876,7 +876,7 @@ class QuantCache(Cache):
     def _choose_key_rotation(self, layer: "QuantLayer", key_states: torch.Tensor) -> None:
         """rotate="auto": decide whether `layer` rotates its keys, from the weights of the attention module calling
         update (qcache/keyrot.py). Raises if that module cannot be found or lacks dense q_proj/k_proj weights."""
-        from .keyrot import key_rotation_ratio, weight_energies
+        from .keyrot import key_rotation_ratio, rotary_width, weight_energies
 
         idx = layer.layer_idx
         try:
@@ -889,9 +889,8 @@ class QuantCache(Cache):
             tc = self._text_config
             kv_heads = key_states.shape[1]  # this process's share under tensor parallelism
             heads = tc.num_attention_heads * kv_heads // self._fingerprint["num_key_value_heads"]
-            D = self._fingerprint["head_dim"]
-            rot_dim = int(D * float(getattr(tc, "partial_rotary_factor", None) or 1.0)) // 2 * 2
-            q_energy, k_energy = weight_energies(module, heads, kv_heads, D, rot_dim)
+            q_energy, k_energy = weight_energies(module, heads, kv_heads, self._fingerprint["head_dim"],
+                                                 rotary_width(tc, layer.rope, idx))
             ratio = key_rotation_ratio(q_energy, k_energy, self._rotation.on(q_energy.device))
         except ValueError as err:
             if not self.options.rotate_defaulted:
@@ -911,9 +910,13 @@ class QuantCache(Cache):
     def key_rotation(self) -> dict[int, dict]:
         """Per quantized layer: whether its keys are rotated (`rotated`) and, where `rotate="auto"` chose it, the
         estimated rotated/unrotated score error it chose by (`ratio`; None before that layer's first update)."""
-        return {i: {"rotate": layer.cfg.rotate, "rotated": "k" in layer.cfg.rotate and layer.cfg.rotation != "none"
-                    if layer.cfg.rotate != "auto" else None, "ratio": layer.key_rotation_ratio}
-                for i, layer in enumerate(self.layers) if isinstance(layer, QuantLayer)}
+        out = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, QuantLayer):
+                cfg = layer.cfg
+                rotated = None if cfg.rotate == "auto" else ("k" in cfg.rotate and cfg.rotation != "none")
+                out[i] = {"rotate": cfg.rotate, "rotated": rotated, "ratio": layer.key_rotation_ratio}
+        return out
 
     def _refuse_linear_state(self, layer_idx: int, *args, **kwargs):
         raise ValueError(

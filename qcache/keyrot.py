@@ -25,14 +25,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["key_rotation_ratio", "projection_energy", "weight_energies"]
+__all__ = ["key_rotation_ratio", "pair_mean", "projection_energy", "rotary_width", "weight_energies"]
 
 
-def _pair_mean(e: torch.Tensor, rot_dim: int) -> torch.Tensor:
+def pair_mean(e: torch.Tensor, rot_dim: int) -> torch.Tensor:
     """[..., D] -> each channel of the rotary part replaced by the mean of it and its rotate-half partner."""
     half = rot_dim // 2
     paired = (e[..., :half] + e[..., half:rot_dim]) / 2
     return torch.cat([paired, paired, e[..., rot_dim:]], dim=-1)
+
+
+def rotary_width(text_config, rope=None, layer_idx: int = 0) -> int:
+    """Channels of a head that RoPE rotates: the width of the model's own cos table when a `RopeHelper` is at hand,
+    else head_dim times the config's `partial_rotary_factor` (1 when it has none)."""
+    if rope is not None:
+        cos, _ = rope.cos_sin(torch.zeros(1, 1, dtype=torch.long), layer_idx)
+        return cos.shape[-1]
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return int(head_dim * float(getattr(text_config, "partial_rotary_factor", None) or 1.0)) // 2 * 2
 
 
 def projection_energy(proj: nn.Module, norm: nn.Module | None, heads: int, head_dim: int, what: str
@@ -87,7 +97,7 @@ def weight_energies(module: nn.Module, heads: int, kv_heads: int, head_dim: int,
     q = projection_energy(module.q_proj, getattr(module, "q_norm", None), heads, head_dim, "q_proj")
     k = projection_energy(module.k_proj, getattr(module, "k_norm", None), kv_heads, head_dim, "k_proj")
     q = q.view(kv_heads, heads // kv_heads, head_dim).mean(1)
-    return _pair_mean(q, rot_dim), _pair_mean(k, rot_dim)
+    return pair_mean(q, rot_dim), pair_mean(k, rot_dim)
 
 
 def key_rotation_ratio(q_energy: torch.Tensor, k_energy: torch.Tensor, rotation: torch.Tensor) -> float:
