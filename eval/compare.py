@@ -88,6 +88,11 @@ class CacheSpec:
             return 16.0
         if self.kind == "hf-fp8":
             return 8.0
+        if self.bits is None and self.options.get("layer_bits"):
+            from .options import parse_layer_bits
+
+            pairs = parse_layer_bits(self.options["layer_bits"])
+            return sum(kb + vb for kb, vb in pairs) / (2 * len(pairs))
         k = int(self.options.get("k_bits", self.bits or 4))
         v = int(self.options.get("v_bits", self.bits or 4))
         return (k + v) / 2 if self.bits is None else float(self.bits)

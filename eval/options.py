@@ -10,14 +10,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from qcache.config import QuantCacheConfig
 
-__all__ = ["CACHE_OPTIONS", "chunk_bounds", "parse_cache_options", "to_bool", "to_int"]
+__all__ = ["CACHE_OPTIONS", "chunk_bounds", "format_layer_bits", "parse_cache_options", "parse_layer_bits", "to_bool",
+           "to_int"]
 
-# QuantCacheConfig fields a user may set (`extra` is internal), plus the calibration file
-# (`layer_bits` comes with a calibration file: `calibration=auto,bits_per_value=B` chooses it for a budget)
-CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "layer_bits") + (
+# QuantCacheConfig fields a user may set, plus the calibration file and what chooses a per-layer plan (`layer_bits`
+# is written as `parse_layer_bits` reads it; `calibration=auto,bits_per_value=B` chooses one for a budget)
+CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig)) + (
     "calibration", "bits_per_value", "needle_floor", "needle_length", "preset")
 _INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type).startswith("int")}
 _BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
@@ -51,6 +53,46 @@ def to_bool(name: str, value) -> bool | None:
     return _BOOLS[key]
 
 
+_LAYER_PAIR = re.compile(r"k(\d+)v(\d+)(?:x(\d+))?")
+
+
+def parse_layer_bits(value) -> tuple[tuple[int, int], ...]:
+    """`layer_bits` as an option string: runs of `k<K>v<V>` (one layer) or `k<K>v<V>x<N>` (N layers in a row),
+    joined by "+", in layer order; a list of pairs passes through. `QuantCacheConfig` checks the widths and the
+    cache the number of layers.
+
+    Example:
+        >>> parse_layer_bits("k3v3x2+k8v3+k4v2")
+        ((3, 3), (3, 3), (8, 3), (4, 2))
+    """
+    if not isinstance(value, str):
+        return tuple(tuple(pair) for pair in value)
+    pairs = []
+    for run in value.strip().split("+"):
+        m = _LAYER_PAIR.fullmatch(run.strip())
+        if m is None or (m.group(3) is not None and int(m.group(3)) < 1):
+            raise ValueError(f"layer_bits={value!r}: {run!r} is not a run of layers; allowed: k<K>v<V> (one layer) or "
+                             "k<K>v<V>x<N> (N >= 1 layers), joined by '+', e.g. k4v2x18+k8v4+k4v2x11")
+        pairs += [(int(m.group(1)), int(m.group(2)))] * int(m.group(3) or 1)
+    return tuple(pairs)
+
+
+def format_layer_bits(pairs) -> str:
+    """The option string `parse_layer_bits` reads back: consecutive equal pairs as one run.
+
+    Example:
+        >>> format_layer_bits([(3, 3), (3, 3), (8, 3)])
+        'k3v3x2+k8v3'
+    """
+    runs = []
+    for kb, vb in pairs:
+        if runs and runs[-1][0] == (kb, vb):
+            runs[-1][1] += 1
+        else:
+            runs.append([(kb, vb), 1])
+    return "+".join(f"k{kb}v{vb}" + (f"x{n}" if n > 1 else "") for (kb, vb), n in runs)
+
+
 def parse_cache_options(options: dict) -> tuple[int | None, dict]:
     """Split `--model_args` cache options into (bits, other options), with ints and bools parsed.
 
@@ -63,7 +105,9 @@ def parse_cache_options(options: dict) -> tuple[int | None, dict]:
         raise ValueError(f"unknown cache options {unknown}; allowed: {sorted(CACHE_OPTIONS)}")
     parsed = {}
     for name, value in options.items():
-        if name in _INT_OPTIONS or name == "needle_length":
+        if name == "layer_bits" and value is not None:
+            value = parse_layer_bits(value)
+        elif name in _INT_OPTIONS or name == "needle_length":
             value = to_int(name, value)
         elif name in _BOOL_OPTIONS:
             value = to_bool(name, value)
@@ -74,6 +118,9 @@ def parse_cache_options(options: dict) -> tuple[int | None, dict]:
                 raise ValueError(f"{name}={value!r} must be a number") from None
         if value is not None:
             parsed[name] = str(value) if name == "calibration" else value
+    widths = sorted({"bits", "k_bits", "v_bits"} & set(parsed))
+    if "layer_bits" in parsed and widths:
+        raise ValueError(f"layer_bits and {', '.join(widths)} both set widths; allowed: one of them")
     return parsed.pop("bits", None), parsed
 
 

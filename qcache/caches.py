@@ -71,7 +71,7 @@ def cache_factory(kind: str, model_config, bits: int | None = None, **options) -
 
 def cache_label(kind: str, bits: int | None = None, **options) -> str:
     """A short row label such as 'quant-4bit', 'quant-k4v2' (keys and values at their own widths) or
-    'hf-quanto-2bit'.
+    'hf-quanto-2bit'; 'quant-layers(layer_bits=...)' for widths given layer by layer.
 
     Example:
         >>> cache_label("quant", k_bits=4, v_bits="2", rotation="hadamard")
@@ -85,6 +85,8 @@ def cache_label(kind: str, bits: int | None = None, **options) -> str:
     elif kind == "quant" and bits is None and "bits_per_value" in options:  # per-layer widths within a budget
         options = dict(options)
         label = f"quant-{options.pop('bits_per_value')}bpv"
+    elif kind == "quant" and bits is None and options.get("layer_bits") is not None:  # widths given layer by layer
+        label = "quant-layers"
     elif kind == "quant" and bits is None:
         from .config import QuantCacheConfig
 

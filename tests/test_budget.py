@@ -234,6 +234,31 @@ def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
         parse_cache_options({"needle_length": "x"})
 
 
+def test_eval_spec_gives_widths_layer_by_layer():
+    from eval.compare import CacheSpec
+    from eval.options import format_layer_bits, parse_cache_options, parse_layer_bits
+    from qcache.caches import cache_factory
+
+    spec = CacheSpec.parse("quant::layer_bits=k4v2+k8v3,window_bits=16")
+    assert spec.label == "quant-layers(layer_bits=k4v2+k8v3,window_bits=16)"
+    assert spec.nominal_bits == (4 + 2 + 8 + 3) / 4
+    bits, parsed = parse_cache_options(spec.options)
+    assert bits is None and parsed["layer_bits"] == ((4, 2), (8, 3))
+    model = make_model("llama")  # 2 layers
+    cache = cache_factory("quant", model.config, None, **parsed, **OPTS)()
+    generate(model, prompt(40), cache, max_new_tokens=1)
+    assert [(lay.k_codec.bits, lay.v_codec.bits) for lay in cache.layers] == [(4, 2), (8, 3)]
+    plan = ((3, 3),) * 18 + ((8, 3),) + ((3, 3),) * 11
+    assert format_layer_bits(plan) == "k3v3x18+k8v3+k3v3x11" and parse_layer_bits(format_layer_bits(plan)) == plan
+    for bad in ("k4v2x0", "k4+k8v3", "4/2", ""):
+        with pytest.raises(ValueError, match=r"is not a run of layers; allowed: k<K>v<V> \(one layer\) or k<K>v<V>x<N>"):
+            parse_layer_bits(bad)
+    with pytest.raises(ValueError, match=r"layer_bits\[1\] v_bits=5 is not supported"):
+        cache_factory("quant", make_model("llama").config, None, **parse_cache_options({"layer_bits": "k4v2+k4v5"})[1])
+    with pytest.raises(ValueError, match=r"layer_bits and k_bits both set widths; allowed: one of them"):
+        parse_cache_options({"layer_bits": "k4v2x2", "k_bits": "4"})
+
+
 def test_choose_rotate_keeps_the_lower_kl_and_resolves_the_rest():
     model = make_model("llama")
     ids = torch.randint(2, 96, (1, 96), generator=torch.Generator().manual_seed(4))
