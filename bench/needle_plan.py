@@ -9,7 +9,7 @@ Reads one table of keys narrowed to K bits and one of values narrowed to V bits 
 2. those key bits are paid for bit for bit by values narrowed to V bits, in the layers whose V-bit values lose
    least, so the plan holds exactly the code bits of the uniform start. Keys and values
    of a layer carry the same metadata whatever their width, so equal code bits are equal bits/value held.
-Prints the plan as `layer_bits` runs (`eval.options.format_layer_bits`) for a `quant::layer_bits=...` spec or
+Prints the plan as `layer_bits` runs (`qcache.config.format_layer_bits`) for a `quant::layer_bits=...` spec or
 `QuantCache(layer_bits=...)`. Raises where the value layers cannot pay for the keys. Not a test: reads two files.
 """
 
@@ -62,7 +62,7 @@ def needle_plan(key_loss: list[float], key_bits: int, value_loss: list[float], v
 
 
 def main(argv=None) -> int:
-    from eval.options import format_layer_bits
+    from qcache.config import format_layer_bits
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("keys", type=Path, help="bench/needle_layers.py table with --stream k")

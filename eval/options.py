@@ -10,9 +10,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import re
 
-from qcache.config import QuantCacheConfig
+from qcache.config import QuantCacheConfig, format_layer_bits, parse_layer_bits
 
 __all__ = ["CACHE_OPTIONS", "chunk_bounds", "format_layer_bits", "parse_cache_options", "parse_layer_bits", "to_bool",
            "to_int"]
@@ -51,46 +50,6 @@ def to_bool(name: str, value) -> bool | None:
     if key not in _BOOLS:
         raise ValueError(f"{name}={value!r} must be a boolean (true/false)")
     return _BOOLS[key]
-
-
-_LAYER_PAIR = re.compile(r"k(\d+)v(\d+)(?:x(\d+))?")
-
-
-def parse_layer_bits(value) -> tuple[tuple[int, int], ...]:
-    """`layer_bits` as an option string: runs of `k<K>v<V>` (one layer) or `k<K>v<V>x<N>` (N layers in a row),
-    joined by "+", in layer order; a list of pairs passes through. `QuantCacheConfig` checks the widths and the
-    cache the number of layers.
-
-    Example:
-        >>> parse_layer_bits("k3v3x2+k8v3+k4v2")
-        ((3, 3), (3, 3), (8, 3), (4, 2))
-    """
-    if not isinstance(value, str):
-        return tuple(tuple(pair) for pair in value)
-    pairs = []
-    for run in value.strip().split("+"):
-        m = _LAYER_PAIR.fullmatch(run.strip())
-        if m is None or (m.group(3) is not None and int(m.group(3)) < 1):
-            raise ValueError(f"layer_bits={value!r}: {run!r} is not a run of layers; allowed: k<K>v<V> (one layer) or "
-                             "k<K>v<V>x<N> (N >= 1 layers), joined by '+', e.g. k4v2x18+k8v4+k4v2x11")
-        pairs += [(int(m.group(1)), int(m.group(2)))] * int(m.group(3) or 1)
-    return tuple(pairs)
-
-
-def format_layer_bits(pairs) -> str:
-    """The option string `parse_layer_bits` reads back: consecutive equal pairs as one run.
-
-    Example:
-        >>> format_layer_bits([(3, 3), (3, 3), (8, 3)])
-        'k3v3x2+k8v3'
-    """
-    runs = []
-    for kb, vb in pairs:
-        if runs and runs[-1][0] == (kb, vb):
-            runs[-1][1] += 1
-        else:
-            runs.append([(kb, vb), 1])
-    return "+".join(f"k{kb}v{vb}" + (f"x{n}" if n > 1 else "") for (kb, vb), n in runs)
 
 
 def parse_cache_options(options: dict) -> tuple[int | None, dict]:

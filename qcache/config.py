@@ -26,6 +26,7 @@ Lloyd-Max levels; the residual window 8-bit. Six options default to None and fol
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -42,8 +43,8 @@ WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
 # options whose default (None) follows from the others (QuantCacheConfig._resolve_defaults), in resolution order
 AUTO_OPTIONS = ("rotation", "rotate", "v_scale", "levels", "codebooks", "window_bits")
 
-__all__ = ["QuantCacheConfig", "SUPPORTED_BITS", "SCALE_DTYPES", "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS",
-           "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
+__all__ = ["QuantCacheConfig", "format_layer_bits", "parse_layer_bits", "SUPPORTED_BITS", "SCALE_DTYPES",
+           "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS", "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -54,6 +55,47 @@ def _check_choice(name: str, value, allowed) -> None:
 def _check_nonneg_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name}={value!r} must be a non-negative integer")
+
+
+_LAYER_PAIR = re.compile(r"k(\d+)v(\d+)(?:x(\d+))?")
+
+
+def parse_layer_bits(value) -> tuple[tuple[int, int], ...]:
+    """`layer_bits` as an option string: runs of `k<K>v<V>` (one layer) or `k<K>v<V>x<N>` (N layers in a row),
+    joined by "+", in layer order; a list of pairs passes through. `QuantCacheConfig` checks the widths and the
+    cache the number of layers. The form `layer_bits` takes as a string, as on a command line or in lm-eval's
+    `--model_args` (where commas separate the options).
+
+    Example:
+        >>> parse_layer_bits("k3v3x2+k8v3+k4v2")
+        ((3, 3), (3, 3), (8, 3), (4, 2))
+    """
+    if not isinstance(value, str):
+        return tuple(tuple(pair) for pair in value)
+    pairs = []
+    for run in value.strip().split("+"):
+        m = _LAYER_PAIR.fullmatch(run.strip())
+        if m is None or (m.group(3) is not None and int(m.group(3)) < 1):
+            raise ValueError(f"layer_bits={value!r}: {run!r} is not a run of layers; allowed: k<K>v<V> (one layer) or "
+                             "k<K>v<V>x<N> (N >= 1 layers), joined by '+', e.g. k4v2x18+k8v4+k4v2x11")
+        pairs += [(int(m.group(1)), int(m.group(2)))] * int(m.group(3) or 1)
+    return tuple(pairs)
+
+
+def format_layer_bits(pairs) -> str:
+    """The option string `parse_layer_bits` reads back: consecutive equal pairs as one run.
+
+    Example:
+        >>> format_layer_bits([(3, 3), (3, 3), (8, 3)])
+        'k3v3x2+k8v3'
+    """
+    runs = []
+    for kb, vb in pairs:
+        if runs and runs[-1][0] == (kb, vb):
+            runs[-1][1] += 1
+        else:
+            runs.append([(kb, vb), 1])
+    return "+".join(f"k{kb}v{vb}" + (f"x{n}" if n > 1 else "") for (kb, vb), n in runs)
 
 
 @dataclass
@@ -129,8 +171,9 @@ class QuantCacheConfig:
             Sinks stay in the cache dtype.
         layer_bits: per-layer widths: one (k_bits, v_bits) pair per layer of the model (every layer, sliding ones
             included; a layer kept native ignores its pair), instead of `k_bits`/`v_bits` for all. The number of
-            pairs must equal the model's layers (checked when the cache binds to a model). `python -m qcache.calibrate
-            --bits-per-value B` chooses them from measured sensitivities and stores them in its file.
+            pairs must equal the model's layers (checked when the cache binds to a model). A string is read as runs
+            (`parse_layer_bits`): "k3v3x18+k8v3+k3v3x11" is 18 layers k3v3, one k8v3, 11 k3v3. `python -m
+            qcache.calibrate --bits-per-value B` chooses them from measured sensitivities and stores them in its file.
         sliding_bits: with sliding_layers="quantized" or "tokens": the width of keys and values in sliding-window
             layers (2, 3, 4 or 8; None: the same as the other layers; not combinable with layer_bits, which sets
             every layer's widths itself). A sliding layer at 8 bits (keys and values) holds no key blocks: its whole window is
@@ -187,7 +230,7 @@ class QuantCacheConfig:
         if self.layer_bits is not None:
             if self.bits is not None:
                 raise ValueError(f"bits={self.bits} and layer_bits both set widths; allowed: one of them")
-            pairs = self.layer_bits
+            pairs = parse_layer_bits(self.layer_bits) if isinstance(self.layer_bits, str) else self.layer_bits
             if (not isinstance(pairs, (list, tuple)) or not pairs
                     or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs)):
                 raise ValueError(f"layer_bits={pairs!r} must be a non-empty list of (k_bits, v_bits) pairs, one per "

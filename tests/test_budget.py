@@ -250,6 +250,7 @@ def test_eval_spec_gives_widths_layer_by_layer():
     assert [(lay.k_codec.bits, lay.v_codec.bits) for lay in cache.layers] == [(4, 2), (8, 3)]
     plan = ((3, 3),) * 18 + ((8, 3),) + ((3, 3),) * 11
     assert format_layer_bits(plan) == "k3v3x18+k8v3+k3v3x11" and parse_layer_bits(format_layer_bits(plan)) == plan
+    assert QuantCacheConfig(layer_bits="k4v2+k8v3").layer_bits == ((4, 2), (8, 3))  # QuantCache(layer_bits="...")
     for bad in ("k4v2x0", "k4+k8v3", "4/2", ""):
         with pytest.raises(ValueError, match=r"is not a run of layers; allowed: k<K>v<V> \(one layer\) or k<K>v<V>x<N>"):
             parse_layer_bits(bad)
