@@ -89,10 +89,9 @@ class CacheSpec:
         if self.kind == "hf-fp8":
             return 8.0
         if self.bits is None and self.options.get("layer_bits"):
-            from .options import parse_layer_bits
+            from qcache.config import QuantCacheConfig
 
-            pairs = parse_layer_bits(self.options["layer_bits"])
-            return sum(kb + vb for kb, vb in pairs) / (2 * len(pairs))
+            return QuantCacheConfig(layer_bits=self.options["layer_bits"]).mean_bits()
         k = int(self.options.get("k_bits", self.bits or 4))
         v = int(self.options.get("v_bits", self.bits or 4))
         return (k + v) / 2 if self.bits is None else float(self.bits)

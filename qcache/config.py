@@ -4,7 +4,8 @@ Defaults: `QuantCacheConfig(bits=N)` for N in 2, 3, 4 is the setting the fidelit
 on both test models at their full context (README "Defaults" names the runs): keys per channel in 128-token blocks,
 rotated or not per layer as the model's weights say (`rotate="auto"`, qcache/keyrot.py), on uniform levels
 (data-free Lloyd-Max levels at 2 bits); values Hadamard-rotated, one least-squares scale per token and head, Gaussian
-Lloyd-Max levels; the residual window 8-bit. Six options default to None and follow from the others (`QuantCacheConfig._resolve_defaults`, order `AUTO_OPTIONS`):
+Lloyd-Max levels; the residual window 8-bit. Six options default to None and follow from the others
+(`QuantCacheConfig._resolve_defaults`, order `AUTO_OPTIONS`):
 
     rotation     "hadamard", or "none" with static_keys=True (static key ranges are unrotated)
     rotate       "auto" with a rotation: values rotated, keys rotated in the layers where the weights predict a smaller

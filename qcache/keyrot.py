@@ -17,7 +17,7 @@ attention normalizes its heads; a channel and its RoPE partner (rotate-half pair
 energy between them; query heads of a key/value group are averaged. Keys are rotated where the ratio is below 1.
 
 `bench/key_rotation.py` checks the rule against the same ratio measured with real queries and keys on real text
-(`docs/results/key-rotation-*.md`).
+(`docs/results/key-rotation.md`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ measures SmolLM2's defaults with rotated keys). A limit those runs show: at 3-bi
 the context are lost more often than with the default cache (SmolLM2 at 8192: 13 % found against 40 %; at 2 bits
 none are kept on either model) although KL and perplexity barely move: keep needles with 4-bit keys (SmolLM2
 "k4v2", its keys rotated by the default rule: 3.48 bits/value, 33 % at 8192, `needles-keys2-smollm2-135m.md`,
-`k4v2kv-smollm2-135m.md`, measured as `rotate="kv"`), on uniform levels (Lloyd-Max key levels lose needles: `needles-keys-smollm2-135m.md`). On a model with sliding layers,
+`k4v2kv-smollm2-135m.md`, measured as `rotate="kv"`), on uniform levels (Lloyd-Max key levels lose needles:
+`needles-keys-smollm2-135m.md`). On a model with sliding layers,
 holding them as tokens (`sliding_layers="tokens", sliding_bits=8, sliding_v_bits=4`) pays for those 4-bit keys:
 Gemma-3 k4v2 that way holds 3.49 bits/value at 32768 tokens with its needles inside the default cache's interval at
 8k, 16k and 32k (`tokens2-gemma3-270m.md`). The presets leave sliding layers native: that choice is per model.
