@@ -39,6 +39,8 @@ import sys
 import torch
 from torch import nn
 
+from ._compat import binding_context
+
 __all__ = ["RopeHelper", "rotate_half", "apply_rope", "undo_rope", "rotate_half_width", "compose", "find_rotary_class",
            "has_rope", "SEQ_DEPENDENT_ROPE"]
 
@@ -240,15 +242,16 @@ class RopeHelper:
         return factor is not None and factor < 1
 
     def _check_layout(self, modeling_module) -> None:
-        """Our rotation must equal the modeling file's `apply_rotary_pos_emb`; a modeling file without one (or with
-        another signature) cannot be checked and is refused."""
+        """Our rotation must equal the modeling file's `apply_rotary_pos_emb`, checked by calling it as attention does
+        (`ref(q, k, cos, sin)` -> `(q_rot, k_rot)`), however it is wrapped (a plain function, `functools.wraps`, or
+        the `nn.Module` that the `kernels` package puts around it). A modeling file without one, or whose function
+        cannot be called that way, cannot be checked and is refused."""
         ref = getattr(modeling_module, "apply_rotary_pos_emb", None)
-        params = list(inspect.signature(ref).parameters) if ref is not None else []
-        if params[:4] != ["q", "k", "cos", "sin"]:
+        if not callable(ref):
             raise ValueError(
-                f"model_type={self.config.model_type!r}: {modeling_module.__name__} has no apply_rotary_pos_emb(q, k, "
-                "cos, sin) to check qcache's RoPE layout against, so pre-RoPE keys could be stored wrongly; allowed "
-                "for it: rope='post'"
+                f"model_type={self.config.model_type!r} ({binding_context()}): "
+                f"{modeling_module.__name__} has no apply_rotary_pos_emb to check qcache's RoPE layout against "
+                f"(found {type(ref).__name__}), so pre-RoPE keys could be stored wrongly; allowed for it: rope='post'"
             )
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(1, 2, 5, self.head_dim, generator=gen)
@@ -258,9 +261,9 @@ class RopeHelper:
             cos, sin = self.cos_sin(pos, idx)
             # partial rotary: modeling files that rotate only the leading channels are handed only those
             sample = x[..., :cos.shape[-1]] if self._partial_rotary(layer_type) else x
-            expected, _ = ref(sample, sample, cos, sin)
+            expected = _call_reference(ref, sample, cos, sin, self.config.model_type, modeling_module.__name__)
             got = apply_rope(sample, cos, sin)
-            if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
+            if not all(torch.allclose(got, e, rtol=1e-5, atol=1e-5) for e in expected):
                 raise ValueError(
                     f"model_type={self.config.model_type!r} rotates keys with a layout qcache does not undo "
                     "(only the rotate-half layout is supported); allowed for it: rope='post'"
@@ -275,6 +278,30 @@ class RopeHelper:
                     "with paired halves, which qcache re-applies by angle addition; allowed for it: rope='post'"
                 )
         self._offsets.clear()
+
+
+def _call_reference(ref, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model_type: str,
+                    module_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ref(x, x, cos, sin)` as attention calls the modeling file's rotary function: both outputs, checked to be
+    two tensors shaped like x; anything else (a call that raises, another return) refuses the model by name."""
+    try:
+        out = ref(x, x.clone(), cos, sin)
+    except Exception as err:  # any failure of the call means the layout cannot be verified
+        raise ValueError(
+            f"model_type={model_type!r} ({binding_context()}): {module_name}.apply_rotary_pos_emb "
+            f"cannot be called as apply_rotary_pos_emb(q, k, cos, sin) to check qcache's RoPE layout against "
+            f"({type(err).__name__}: {err}), so pre-RoPE keys could be stored wrongly; allowed for it: rope='post'"
+        ) from err
+    if not (isinstance(out, (tuple, list)) and len(out) == 2
+            and all(isinstance(t, torch.Tensor) and t.shape == x.shape for t in out)):
+        found = type(out).__name__ if not isinstance(out, (tuple, list)) else \
+            f"{type(out).__name__} of {[getattr(t, 'shape', type(t).__name__) for t in out]}"
+        raise ValueError(
+            f"model_type={model_type!r} ({binding_context()}): {module_name}.apply_rotary_pos_emb"
+            f"(q, k, cos, sin) returned {found}, expected (q_rot, k_rot) shaped {tuple(x.shape)}, so qcache's RoPE "
+            "layout cannot be checked; allowed for it: rope='post'"
+        )
+    return out[0], out[1]
 
 
 def modeling_module_of(module: nn.Module):

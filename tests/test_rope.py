@@ -116,3 +116,119 @@ def test_matches_model_rotation():
 def test_model_without_rope_raises():
     with pytest.raises(ValueError, match="gpt2.*rope='post'"):
         RopeHelper(GPT2Config(n_layer=1, n_embd=32, n_head=2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the layout check: by calling the modeling file's rotary function, however it is wrapped
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rotate_half_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """The rotate-half layout, written here independently of qcache and of transformers."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rot(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+def _interleaved_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """Pairs (2i, 2i+1) rotated together (GPT-J / Cohere style): another layout, which qcache must refuse."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    h = cos.shape[-1] // 2
+    c, s = cos[..., :h].repeat_interleave(2, -1), sin[..., :h].repeat_interleave(2, -1)
+
+    def rot(x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+class _KernelsStyleWrapper(torch.nn.Module):
+    """What the `kernels` package makes of a decorated function: a module whose forward takes anything."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def _functools_wrapped(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _modeling_module(apply_rotary_pos_emb):
+    """A stand-in modeling file: Llama's rotary-embedding class beside the rotary function under test."""
+    import types
+
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    module = types.ModuleType("fake_modeling_llama")
+    module.LlamaRotaryEmbedding = LlamaRotaryEmbedding
+    if apply_rotary_pos_emb is not None:
+        module.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return module
+
+
+ACCEPTED_WRAPPINGS = {
+    "plain-function": lambda: _rotate_half_reference,
+    "functools-wraps": lambda: _functools_wrapped(_rotate_half_reference),
+    "kernels-nn-module": lambda: _KernelsStyleWrapper(_rotate_half_reference),
+    "lambda-args-kwargs": lambda: (lambda *a, **kw: _rotate_half_reference(*a, **kw)),
+}
+
+
+@pytest.mark.parametrize("wrapping", sorted(ACCEPTED_WRAPPINGS))
+def test_layout_check_accepts_any_wrapping_of_the_rotate_half_function(wrapping):
+    module = _modeling_module(ACCEPTED_WRAPPINGS[wrapping]())
+    rope = RopeHelper(ROPE_CONFIGS["default"](), modeling_module=module, prefix="Llama")
+    x = torch.randn(1, 2, 6, HEAD_DIM)
+    pos = torch.arange(6)[None] + 11
+    torch.testing.assert_close(rope.undo(rope.redo(x, pos, 0), pos, 0), x, rtol=1e-5, atol=1e-5)
+
+
+REFUSED = {
+    "interleaved-layout": (lambda: _interleaved_reference, r"layout qcache does not undo"),
+    "interleaved-in-a-kernels-module": (lambda: _KernelsStyleWrapper(_interleaved_reference),
+                                        r"layout qcache does not undo"),
+    "cannot-be-called-so": (lambda: (lambda q, cos, sin: q), r"cannot be called as apply_rotary_pos_emb\(q, k, cos, sin\)"
+                            r".*TypeError"),
+    "returns-one-tensor": (lambda: (lambda q, k, cos, sin, unsqueeze_dim=1: q), r"returned Tensor, expected \(q_rot, "
+                           r"k_rot\)"),
+    "missing": (lambda: None, r"has no apply_rotary_pos_emb"),
+    "not-callable": (lambda: "apply_rotary_pos_emb", r"has no apply_rotary_pos_emb .*found str"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_layout_check_refuses_what_it_cannot_verify(case):
+    import transformers
+
+    make, message = REFUSED[case]
+    module = _modeling_module(make())
+    with pytest.raises(ValueError, match=message) as err:
+        RopeHelper(ROPE_CONFIGS["default"](), modeling_module=module, prefix="Llama")
+    assert "rope='post'" in str(err.value) and "model_type='llama'" in str(err.value)
+    if case != "interleaved-layout" and case != "interleaved-in-a-kernels-module":
+        assert f"transformers {transformers.__version__}" in str(err.value)
+
+
+def test_installed_llama_rotary_function_is_checked_by_calling_it():
+    """On transformers with `kernels` installed, Llama's apply_rotary_pos_emb is an nn.Module taking *args/**kwargs;
+    without it, a plain function. Either way the installed modeling file passes the numeric check."""
+    import transformers.models.llama.modeling_llama as modeling_llama
+
+    fn = modeling_llama.apply_rotary_pos_emb
+    assert callable(fn)
+    rope = RopeHelper(ROPE_CONFIGS["default"](), modeling_module=modeling_llama, prefix="Llama")
+    assert rope.head_dim == HEAD_DIM
