@@ -26,57 +26,44 @@ keys and values. The outcome is one of
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import platform
-import re
 import sys
 import time
-import traceback
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from qcache.check import (  # the per-family check itself; this file runs it over every family
+    CACHE_OPTIONS,
+    NO_ROPE,
+    LOGIT_TOLERANCE,
+    PROMPT_TOKENS,
+    SLIDING_THEN_FULL,
+    STEPS,
+    Family,
+    Outcome,
+    Refusal,
+    build_model,
+    greedy,
+    prompt_for,
+    teacher_forced,
+    tiny_config,
+)
+from qcache.check import check_family as _check
 
 __all__ = ["Family", "Outcome", "FAMILIES", "LOGIT_TOLERANCE", "CACHE_OPTIONS", "tiny_config", "build_model",
            "check_family", "lossy_control", "render_markdown", "main"]
 
 log = logging.getLogger("coverage_matrix")
 
-CACHE_OPTIONS = dict(bits=8, sink_tokens=4, recent_tokens=16, k_group_size=16)
-PROMPT_TOKENS = 48
-STEPS = 40
-# max |delta logit| allowed, as a fraction of the std of the reference logits; `lossy_control` measures, per family,
-# what a cache that loses the quantized region at decode does to the same number (the table's last column)
-LOGIT_TOLERANCE = 0.05
-
-# shared by every family; a config takes the fields it has (by name or through its attribute_map). Mixture-of-experts
-# configs get 4 experts, all active: top-k routing is discontinuous, a near tie between experts turns any small
-# change of the hidden state (8-bit noise included) into another expert and a jump in the logits that says nothing
-# about the cache.
-TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128, max_position_embeddings=512, initializer_range=0.02,
-            pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=False,
-            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=64,
-            shared_expert_intermediate_size=64, n_group=1, topk_group=1)
-SLIDING_THEN_FULL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=32)
 # multi-head latent attention: 4 heads of 16 + 8 rotary channels from a 32-wide latent
 MLA = dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
            v_head_dim=16, first_k_dense_replace=1)
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """What QuantCache may refuse a family for instead of matching: the ValueError's message must contain `pattern`
-    (a regex) and so name the `problem`."""
-
-    problem: str
-    pattern: str
-
-
-NO_ROPE = Refusal("the missing RoPE", r"no RoPE|rope_parameters is None")
 LAYOUT = Refusal("the RoPE layout", r"layout qcache does not undo|apply_rotary_pos_emb")
 NO_POSITIONS = Refusal("the missing position_ids", r"position_ids")
 KV_WIDTHS = Refusal("keys and values of different widths", r"(?s)head_dim.*value|value.*head_dim|latent")
@@ -84,19 +71,6 @@ PER_LAYER_HEAD_DIM = Refusal("the head_dim per layer", r"head_dim")
 CHUNKED = Refusal("the RoPE layout or the chunked layers", LAYOUT.pattern + r"|chunked_attention")
 HYBRID = Refusal("the non-attention layers", r"linear_attention|mamba|hybrid|layer type")
 LATENT = Refusal("the latent cache or its RoPE layout", KV_WIDTHS.pattern + "|" + LAYOUT.pattern)
-
-
-@dataclass(frozen=True)
-class Family:
-    """One decoder family: a short key (test id, --families), its name in the table, model_type, config overrides on
-    top of TINY, a note for the table, and the refusal allowed instead of a match (None: it must match)."""
-
-    key: str
-    name: str
-    model_type: str
-    overrides: dict = field(default_factory=dict)
-    note: str = ""
-    refusal: Refusal | None = None
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -186,78 +160,6 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
-@dataclass
-class Outcome:
-    """What one family did (see the module docstring for `kind`)."""
-
-    key: str
-    family: str
-    model_type: str
-    kind: str  # "match", "refused" or "failed"
-    detail: str  # the table's outcome text
-    max_dlogit: float | None = None
-    logit_std: float | None = None
-    tokens_equal: bool | None = None
-    first_different_step: int | None = None
-    margin_there: float | None = None  # DynamicCache's top-2 margin at that step, as a fraction of the logits' std
-    lossy_control: float | None = None  # max |delta logit| / std of a cache that drops the quantized region
-    control_error: str | None = None  # why the control could not run
-    quantized_tokens: int | None = None
-    error: str | None = None
-    traceback: list[str] | None = None
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _config_fields(cls) -> set[str]:
-    return set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "attribute_map", {}) or {})
-
-
-def tiny_config(family: Family):
-    """The family's config: the TINY fields it has, then the family's overrides."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[family.model_type]
-    known = _config_fields(cls)
-    kwargs = {k: v for k, v in TINY.items() if k in known}
-    kwargs.update(family.overrides)
-    return cls(**kwargs)
-
-
-def build_model(family: Family):
-    """A tiny random fp32 causal LM of the family (seed 0), in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config(family)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
-def _prompt(model) -> torch.Tensor:
-    vocab = model.get_output_embeddings().weight.shape[0]
-    return torch.randint(3, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))  # [1, P]
-
-
-@torch.no_grad()
-def _greedy(model, prompt: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """STEPS greedy tokens [STEPS] and their logits [STEPS, V] through `cache`."""
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=STEPS,
-                         min_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=0)
-    return out.sequences[0, prompt.shape[1]:], torch.cat(out.logits).float()  # [STEPS], [STEPS, V]
-
-
-@torch.no_grad()
-def _teacher_forced(model, prompt: torch.Tensor, tokens: torch.Tensor, cache) -> torch.Tensor:
-    """Logits [STEPS, V] of the prompt and then `tokens` [STEPS] fed one at a time through `cache`."""
-    logits = [model(prompt, cache=cache, use_cache=True).logits[0, -1]]
-    for token in tokens[:-1]:
-        logits.append(model(token.view(1, 1), cache=cache, use_cache=True).logits[0, -1])
-    return torch.stack(logits).float()
-
-
 def _lossy_cache(config, keep_first: int, keep_last: int):
     """A DynamicCache whose one-token steps attend to the first `keep_first` and the last `keep_last` tokens only
     (full precision): what a cache that lost its quantized region would return."""
@@ -281,90 +183,26 @@ def lossy_control(family: Family) -> float:
     from transformers import DynamicCache
 
     model = build_model(family)
-    prompt = _prompt(model)
-    return _lossy_ratio(model, prompt, *_greedy(model, prompt, DynamicCache(config=model.config)))
+    prompt = prompt_for(model)
+    return _lossy_ratio(model, prompt, *greedy(model, prompt, DynamicCache(config=model.config)))
 
 
 def _lossy_ratio(model, prompt: torch.Tensor, ref_tokens: torch.Tensor, ref_logits: torch.Tensor) -> float:
     keep_last = CACHE_OPTIONS["recent_tokens"] + CACHE_OPTIONS["k_group_size"]
     cache = _lossy_cache(model.config, CACHE_OPTIONS["sink_tokens"], keep_last)
-    logits = _teacher_forced(model, prompt, ref_tokens, cache)
+    logits = teacher_forced(model, prompt, ref_tokens, cache)
     return float((logits - ref_logits).abs().max() / ref_logits.std())
 
 
-def _frames(err: BaseException, n: int = 4) -> list[str]:
-    return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(err.__traceback__)[-n:]]
-
-
-def _stored_tokens(cache) -> int:
-    return sum(layer.get_seq_length() for layer in cache.layers if getattr(layer, "is_initialized", False))
-
-
-def _quantized_tokens(cache) -> int:
-    return sum(getattr(layer, "quantized_length", 0) or 0 for layer in cache.layers)
-
-
 def check_family(family: Family, control: bool = False) -> Outcome:
-    """Run the family through DynamicCache and QuantCache (8 bits) and classify what QuantCache did; with `control`,
-    a matching family also gets `lossy_control` (see there)."""
-    from transformers import DynamicCache
-
-    from qcache import QuantCache
-
-    start = time.perf_counter()
-    model = build_model(family)
-    prompt = _prompt(model)
-    ref_tokens, ref_logits = _greedy(model, prompt, DynamicCache(config=model.config))
-    outcome = Outcome(family.key, family.name, family.model_type, "failed", "")
-    cache = QuantCache(**CACHE_OPTIONS)
-    try:
-        tokens, logits = _greedy(model, prompt, cache)
-    except Exception as err:  # classified, not swallowed: every exception ends up in the table
-        outcome.error = f"{type(err).__name__}: {err}"
-        outcome.traceback = _frames(err)
-        stored = _stored_tokens(cache)
-        named = family.refusal is None or re.search(family.refusal.pattern, str(err)) is not None
-        if isinstance(err, ValueError) and stored == 0 and named:
-            outcome.kind, outcome.detail = "refused", f"refused: {outcome.error}"
-        elif isinstance(err, ValueError) and stored == 0:
-            outcome.detail = f"failed: refused without naming {family.refusal.problem}: {outcome.error}"
-        elif isinstance(err, ValueError):
-            outcome.detail = f"failed: ValueError after {stored} tokens were stored: {err}"
-        else:
-            outcome.detail = f"failed: {outcome.error} (at {outcome.traceback[-1]})"
-        outcome.seconds = time.perf_counter() - start
-        return outcome
-    std = float(ref_logits.std())
-    outcome.logit_std = std
-    outcome.quantized_tokens = _quantized_tokens(cache)
-    outcome.tokens_equal = bool(torch.equal(tokens, ref_tokens))
-    near_tie = True
-    tokens_text = f"{STEPS}/{STEPS} tokens equal"
-    if not outcome.tokens_equal:  # compare the logits along DynamicCache's tokens
-        step = int((tokens != ref_tokens).nonzero()[0, 0])
-        top2 = ref_logits[step].topk(2).values
-        outcome.first_different_step = step
-        outcome.margin_there = float(top2[0] - top2[1]) / std
-        near_tie = outcome.margin_there < 2 * LOGIT_TOLERANCE
-        tokens_text = (f"tokens equal for {step} steps, then a {'near tie' if near_tie else 'different token'} "
-                       f"(DynamicCache's top-2 margin {outcome.margin_there:.2%} of the std)")
-        logits = _teacher_forced(model, prompt, ref_tokens, QuantCache(**CACHE_OPTIONS))
-    outcome.max_dlogit = float((logits - ref_logits).abs().max())
-    within = outcome.max_dlogit <= LOGIT_TOLERANCE * std
-    numbers = (f"max |Δ logit| {outcome.max_dlogit:.1e} = {outcome.max_dlogit / std:.2%} of the logits' std, "
-               f"{tokens_text}, {outcome.quantized_tokens} tokens quantized")
-    if outcome.quantized_tokens == 0:
-        outcome.detail = f"failed: nothing was quantized ({numbers})"
-    elif within and near_tie:
-        outcome.kind, outcome.detail = "match", f"matches DynamicCache at 8 bits ({numbers})"
-        if control:
-            try:
-                outcome.lossy_control = _lossy_ratio(model, prompt, ref_tokens, ref_logits)
-            except RuntimeError as err:  # attention whose mask has a column per stored token: no control there
-                outcome.control_error = f"{type(err).__name__}: {err}"
-    else:
-        outcome.detail = f"failed: differs from DynamicCache at 8 bits ({numbers})"
-    outcome.seconds = time.perf_counter() - start
+    """`qcache.check.check_family` over STEPS steps; with `control`, a matching family also gets `lossy_control`
+    (see there) on the same model and reference run."""
+    outcome, run = _check(family, steps=STEPS)
+    if control and run is not None:
+        try:
+            outcome.lossy_control = _lossy_ratio(*run)
+        except RuntimeError as err:  # attention whose mask has a column per stored token: no control there
+            outcome.control_error = f"{type(err).__name__}: {err}"
     return outcome
 
 

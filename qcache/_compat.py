@@ -12,7 +12,10 @@ Releases tried with a tiny Llama, `model(x, cache=...)`, `model(x, past_key_valu
 `generate(..., past_key_values=QuantCache(bits=4))`: 5.0.0 and 5.12.1 (the cache layer API differs as well:
 `get_max_cache_shape`), 5.18.0, 5.21.0, 5.22.2, 5.23.0 (`cache=` swallowed, no position_ids), 5.24.0 (works).
 
-`check_transformers()` refuses a release outside the supported range with the pip command that fixes it;
+`check_transformers()` refuses a release outside the supported range with the pip command that fixes it, and
+warns once on a minor release newer than the newest one CI tests (`TESTED_MINORS`): the binding is checked by
+behaviour where it is used (the rotary function is called, `position_ids` must arrive in `Cache.update`, the
+attention module must be found), and each such check's error names the installed version through `binding_context()`.
 `require_cache_written()` catches the other way to measure the wrong cache: a forward that was handed a cache
 and did not write to it.
 """
@@ -20,21 +23,29 @@ and did not write to it.
 from __future__ import annotations
 
 import functools
+import logging
 
 __all__ = [
     "TRANSFORMERS_FLOOR",
     "TRANSFORMERS_CEILING",
     "TRANSFORMERS_FIX",
+    "TESTED_MINORS",
     "TransformersVersionError",
     "CacheNotWrittenError",
     "transformers_supported",
     "check_transformers",
+    "binding_context",
+    "binding_report",
     "require_cache_written",
 ]
 
 TRANSFORMERS_FLOOR = (5, 24)  # first release with `cache=` and position_ids in Cache.update kwargs
 TRANSFORMERS_CEILING = (6,)  # next major release: not tried
 TRANSFORMERS_FIX = "pip install 'transformers>=5.24,<6'"
+# the minor releases `.ci/run` tests: the floor and the newest pip resolved when it was last raised
+TESTED_MINORS = ((5, 24), (5, 25))
+
+logger = logging.getLogger(__name__)
 
 
 class TransformersVersionError(ImportError):
@@ -77,7 +88,43 @@ def _check_installed(version: str) -> str:
             f"DynamicCache) and do not pass position_ids to Cache.update; a newer major release is untested. "
             f"Fix: {TRANSFORMERS_FIX}"
         )
+    if _release(version)[:2] > TESTED_MINORS[-1]:
+        logger.warning("qcache was tested with transformers %s; found %s. What the cache relies on is checked where it "
+                       "is used and raises naming this version; `python -m qcache.check` runs the check on tiny "
+                       "models in seconds", _tested_text(), version)
     return version
+
+
+def _tested_text() -> str:
+    return " and ".join(".".join(map(str, m)) for m in TESTED_MINORS)
+
+
+def _installed_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def binding_context() -> str:
+    """"transformers X (tested: ...)": what an error about the binding to transformers says of the installed release."""
+    return f"transformers {_installed_version()}, qcache tested with {_tested_text()}"
+
+
+def binding_report() -> str:
+    """One line naming the versions the binding depends on (`python -m qcache.check` prints it first)."""
+    import importlib.metadata
+
+    import torch
+
+    from . import __version__
+
+    try:
+        kernels = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        kernels = "not installed"
+    version = _installed_version()
+    tested = "tested" if _release(version)[:2] in TESTED_MINORS else f"untested (qcache tested with {_tested_text()})"
+    return (f"qcache {__version__}; transformers {version} ({tested}); kernels {kernels}; torch {torch.__version__}")
 
 
 def check_transformers(version: str | None = None) -> str:

@@ -209,9 +209,16 @@ def register_fp32_attention() -> str:
     The mask builder is the one of "sdpa" (bool masks, skipped when SDPA's `is_causal` suffices): an attention
     function registered without one gets `attention_mask=None` from transformers, i.e. no causal, padding or
     sliding-window mask at all. Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as err:
+        from ._compat import TransformersVersionError, binding_context
 
+        raise TransformersVersionError(
+            f"qcache registers its attention in transformers' AttentionInterface and AttentionMaskInterface (with "
+            f"the sdpa mask builder) and could not import them ({binding_context()}): {err}"
+        ) from err
     AttentionInterface.register(ATTN_IMPLEMENTATION, fp32_sdpa_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     return ATTN_IMPLEMENTATION

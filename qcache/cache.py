@@ -40,7 +40,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import kernels
-from ._compat import check_transformers
+from ._compat import binding_context, check_transformers
 from .attention import ATTN_IMPLEMENTATION as FUSED_ATTENTION  # the attention that can read codes itself
 from .calibfile import CalibrationData, load_calibration
 from .codec import KeyCodec, ValueCodec
@@ -348,8 +348,8 @@ class QuantLayer(CacheLayerMixin):
             if self.rope is not None:
                 raise ValueError(
                     "QuantCache(rope='pre') needs the position_ids that attention passes to Cache.update (in its "
-                    "kwargs) and got none: this model's attention calls update without them, so pre-RoPE keys "
-                    "cannot be placed; allowed for it: rope='post'"
+                    f"kwargs) and got none ({binding_context()}): this model's attention calls update without them, "
+                    "so pre-RoPE keys cannot be placed; allowed for it: rope='post'"
                 )
             position_ids = torch.arange(self.cumulative_length, self.cumulative_length + T, device=self.device)[None]
         if position_ids.dim() != 2:
@@ -811,8 +811,8 @@ class QuantCache(Cache):
             if not self._explicit:
                 raise ValueError(
                     "QuantCache needs the model's config for pre-RoPE keys and could not find the calling attention "
-                    "module (an nn.Module with `config` and `layer_idx` up the call stack of Cache.update); construct "
-                    "it as QuantCache(model.config, ...)"
+                    "module (an nn.Module with `config` and `layer_idx` up the call stack of Cache.update; "
+                    f"{binding_context()}); construct it as QuantCache(model.config, ...)"
                 )
             return
         config = module.config

@@ -83,6 +83,20 @@ def test_both_keywords_reach_the_cache_in_generate(llama, keyword):
     assert out.shape == (1, 50) and cache.get_seq_length() == 49 and cache.layers[0].quantized_length == 32
 
 
+def test_cache_keyword_is_the_one_transformers_does_not_deprecate(llama):
+    """`cache=` (transformers >= 5.24) runs without a deprecation warning in forward and generate; the README's
+    `past_key_values=` keeps working (the tests above) while transformers accepts it (5.25 warns)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            llama(_ids(1, 40), use_cache=True, cache=QuantCache(llama.config, **OPTS))
+            llama.generate(_ids(1, 40), max_new_tokens=3, do_sample=False, cache=QuantCache(**OPTS))
+    deprecations = [str(w.message) for w in caught if "deprecated" in str(w.message)]
+    assert deprecations == []
+
+
 # ---------------------------------------------------------------------------------------------------------
 # a cache handed to a model that does not use it
 # ---------------------------------------------------------------------------------------------------------
@@ -211,3 +225,18 @@ def test_adapter_refuses_decoding_from_another_cache(lm, monkeypatch):
     _drop_cache(lm.model, monkeypatch, decode_only=True)
     with pytest.raises(CacheNotWrittenError, match=r"generate: .* holds 39 tokens .*\(expected 45\)"):
         lm._model_generate(torch.randint(3, WORDS + 3, (1, 40)), max_length=46, stop=[], do_sample=False)
+
+
+def test_ci_runs_the_readme_test_command_and_the_floor_it_declares():
+    """`.ci/run`'s first job is the README's test command (pip's -q aside); its floor job pins the floor that
+    pyproject.toml and qcache/_compat.py declare."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    (readme_line,) = [line for line in readme.splitlines() if line.endswith("python -m pytest -q")]
+    ci_lines = [line.replace("pip install -q ", "pip install ") for line in ci.splitlines()
+                if line.endswith("python -m pytest -q")]
+    assert ci_lines == [readme_line]
+    floor = ".".join(map(str, TRANSFORMERS_FLOOR))
+    assert re.search(rf'^FLOOR="transformers=={re.escape(floor)}\.\*"$', ci, re.M)
