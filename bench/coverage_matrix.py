@@ -247,7 +247,7 @@ def render_markdown(outcomes: list[Outcome], header: dict) -> str:
         "# Model coverage: QuantCache at 8 bits vs DynamicCache",
         "",
         f"Command: `{header['command']}` ({header['date']}; qcache {header['qcache']}, transformers "
-        f"{header['transformers']}, torch {header['torch']}).",
+        f"{header['transformers']}, kernels {header.get('kernels', 'not recorded')}, torch {header['torch']}).",
         "",
         f"Tiny random models (2 layers, hidden 64, vocab 128, fp32, seed 0), a {PROMPT_TOKENS}-token prompt and "
         f"{STEPS} greedy steps through `generate(cache=...)`, once with `DynamicCache` and once with "
@@ -276,6 +276,16 @@ def render_markdown(outcomes: list[Outcome], header: dict) -> str:
     counts = {kind: sum(o.kind == kind for o in outcomes) for kind in ("match", "refused", "failed")}
     lines += ["", f"{counts['match']} match, {counts['refused']} refused, {counts['failed']} failed.", ""]
     return "\n".join(lines)
+
+
+def _installed(package: str) -> str:
+    """The installed version of `package`, or "not installed"."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _qcache_revision() -> str:
@@ -326,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     command = ["python", "bench/coverage_matrix.py", *(argv if argv is not None else sys.argv[1:])]
     header = {"command": " ".join(command),
               "date": time.strftime("%Y-%m-%d"), "qcache": _qcache_revision(), "transformers": transformers.__version__,
+              "kernels": _installed("kernels"),
               "torch": torch.__version__, "python": platform.python_version(), "cache_options": CACHE_OPTIONS,
               "prompt_tokens": PROMPT_TOKENS, "steps": STEPS, "logit_tolerance": LOGIT_TOLERANCE,
               "families": [f.key for f in chosen]}
