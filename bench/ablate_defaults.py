@@ -22,9 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from qcache import QuantCache, QuantCacheConfig
-from qcache.data import token_sequences
-from qcache.models import load_model
-from qcache.perplexity import chunked_nll
+from qcache.tools.data import token_sequences
+from qcache.tools.models import load_model
+from eval.perplexity import chunked_nll
 
 log = logging.getLogger("ablate_defaults")
 

@@ -4,7 +4,7 @@ default cache and Transformers' quantized caches, in one run, with the average b
     python bench/bench_calibration.py --model smollm2-135m --bits 4 3 2 --out docs/results/calibration-smollm2
     python bench/bench_calibration.py --model gemma3-270m --bits 4 3 2 --out docs/results/calibration-gemma3
 
-Calibration text (qcache.data "calibration" split) and evaluation text ("eval" split) are disjoint files.
+Calibration text (qcache.tools.data "calibration" split) and evaluation text ("eval" split) are disjoint files.
 Not a test: minutes to hours on a 2-core CPU. Rows are written as they finish (--resume continues a run).
 """
 
@@ -23,12 +23,12 @@ from tqdm.auto import tqdm
 
 from calibration import calibrate
 from qcache import QuantCache, QuantCacheConfig, __version__
-from qcache.caches import build_cache, cache_label
+from eval.caches import build_cache, cache_label
 from qcache.calibfile import save_calibration
-from qcache.calibrate import sample_sequences
-from qcache.data import read_split, sha256_of_split, token_sequences
-from qcache.models import load_model
-from qcache.perplexity import chunked_nll
+from calibration.cli import sample_sequences
+from qcache.tools.data import read_split, sha256_of_split, token_sequences
+from qcache.tools.models import load_model
+from eval.perplexity import chunked_nll
 
 from bench_speed import cache_bytes  # noqa: E402  (bench/ is the script's directory)
 

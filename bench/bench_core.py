@@ -21,10 +21,10 @@ import torch
 from tqdm.auto import tqdm
 
 from qcache import QuantCache, __version__
-from qcache.caches import build_cache, cache_label
-from qcache.data import sha256_of_split, token_sequences
-from qcache.models import load_model
-from qcache.perplexity import chunked_nll
+from eval.caches import build_cache, cache_label
+from qcache.tools.data import sha256_of_split, token_sequences
+from qcache.tools.models import load_model
+from eval.perplexity import chunked_nll
 
 log = logging.getLogger("bench_core")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -47,10 +47,10 @@ from tqdm.auto import tqdm
 from qcache import QuantCache, __version__
 from qcache.cache import QuantLayer
 from qcache.attention import ATTN_IMPLEMENTATION, fp32_sdpa_attention_forward, use_fp32_attention
-from qcache.caches import build_cache
-from qcache.data import token_sequences
-from qcache.footprint import reachable_bytes
-from qcache.models import load_model
+from eval.caches import build_cache
+from qcache.tools.data import token_sequences
+from eval.footprint import reachable_bytes
+from qcache.tools.models import load_model
 
 log = logging.getLogger("bench_speed")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -116,7 +116,7 @@ class Row:
 # ---------------------------------------------------------------------------------------------------------------
 
 def cache_bytes(cache) -> int:
-    """Bytes a cache holds: every tensor reachable from it (qcache.footprint), for QuantCache and peers alike."""
+    """Bytes a cache holds: every tensor reachable from it (eval.footprint), for QuantCache and peers alike."""
     return reachable_bytes(cache)
 
 

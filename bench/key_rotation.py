@@ -37,9 +37,9 @@ def fake_quant_channels(k: torch.Tensor, bits: int, block: int = 128) -> torch.T
 
 def measure(model_name: str, tokens: int, bits: int, threads: int) -> dict:
     from calibration.collect import collect_statistics
-    from qcache.data import token_sequences
+    from qcache.tools.data import token_sequences
     from qcache.keyrot import key_rotation_ratio, rotary_width, weight_energies
-    from qcache.models import load_model
+    from qcache.tools.models import load_model
     from qcache.rotation import hadamard_rotation
 
     torch.set_num_threads(threads)

@@ -4,7 +4,7 @@
         --out docs/results/needle-layers-smollm2-135m-k3.md
 
 A haystack of `--length` tokens of the calibration split (never the eval text) with `--needles` key-value needles
-(`eval.needles`); for each layer, a cache whose layer_bits are (8, 8) everywhere except that layer's keys (or values)
+(`calibration.needles`); for each layer, a cache whose layer_bits are (8, 8) everywhere except that layer's keys (or values)
 at `--bits`, filled once, then every needle's question + answer teacher-forced. Reported per layer: the mean answer
 log-probability minus the all-8-bit cache's (negative: lost) and the needles found. What `calibration.budget.
 needle_floors` measures (at 2048 tokens and 16 needles there), here at a longer haystack. Not a test: minutes on a CPU.
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     from transformers import DynamicCache
 
-    from eval.needles import build_needles, fill_cache, score_needles
+    from calibration.needles import build_needles, fill_cache, score_needles
     from eval.provenance import git_state
     from qcache import QuantCache
-    from qcache.data import read_split
-    from qcache.models import load_model
+    from qcache.tools.data import read_split
+    from qcache.tools.models import load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")

@@ -1,4 +1,4 @@
-"""Calibration logic: collect statistics on real text, fit codebooks and static key ranges (CLI: qcache.calibrate)."""
+"""Calibration logic: collect statistics on real text, fit codebooks and static key ranges (the command: calibration/cli.py, run as python -m qcache.calibrate)."""
 
 from .collect import collect_statistics
 from .fit import fit_codebook, fit_static_key_range, key_samples, value_samples, weighted_lloyd

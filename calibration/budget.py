@@ -150,7 +150,7 @@ def needle_floors(model, tokenizer, text: str, options: QuantCacheConfig, quanti
                   ) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str, int], float]]:
     """({(layer, stream): narrowest width whose needle loss is at most `threshold`}, {(layer, stream, width): loss})
     (see the module docstring). `text` is the haystack (calibration text); `count` needles in `length` tokens."""
-    from eval.needles import build_needles, fill_cache, score_needles
+    from calibration.needles import build_needles, fill_cache, score_needles
     from qcache.cache import QuantCache
 
     if not threshold > 0:

@@ -2,7 +2,7 @@
 
 Besides the per-layer codebooks and static key ranges it records the K/V ranges of every layer and KV head
 (`kv_ranges`: largest |key| as attention reads it, i.e. after RoPE, and largest |value|), from which
-`python -m qcache.export vllm` derives fp8 KV-cache scales.
+`python -m qcache.tools.export vllm` derives fp8 KV-cache scales.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
 
     With `choose_rotation`: whether keys are rotated too (`rotate="v"` or `"kv"`, rotated keys also on Lloyd-Max
     levels with `try_levels`) is chosen first, by the KL each gives on `rotation_ids` [N, L] (default:
-    `sensitivity_ids`; `qcache.calibrate` gives sequences of the model's full context, where the choice can differ
+    `sensitivity_ids`; `calibration.cli` gives sequences of the model's full context, where the choice can differ
     from a short one's) (`calibration.budget.choose_rotate`), and stored with the options; the KLs go into the
     settings (`rotate_kl`, measured on `rotate_tokens` tokens)."""
     torch.manual_seed(seed)

@@ -38,8 +38,8 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("the lm-eval adapter needs lm-eval: pip install 'lm_eval[ruler]' (or 'qcache[eval]')") from err
 
 from qcache._compat import check_transformers, require_cache_written
-from qcache.caches import CACHE_KINDS, build_cache, cache_label
-from qcache.models import resolve_model
+from eval.caches import CACHE_KINDS, build_cache, cache_label
+from qcache.tools.models import resolve_model
 
 from .options import CACHE_OPTIONS, chunk_bounds, parse_cache_options, to_int
 
@@ -52,8 +52,8 @@ class QCacheLM(HFLM):
     """`HFLM` routing log-likelihood and generation through a fresh cache of the chosen kind per request batch.
 
     Args:
-        pretrained: a short name from `qcache.models.MODELS`, a local HF directory or a hub id.
-        cache: one of `qcache.caches.CACHE_KINDS`.
+        pretrained: a short name from `qcache.tools.models.MODELS`, a local HF directory or a hub id.
+        cache: one of `eval.caches.CACHE_KINDS`.
         chunk_size: tokens per forward pass through the cache (log-likelihood and prefill).
         **kwargs: cache options (`bits`, `k_bits`, `v_bits`, `calibration`, any `QuantCacheConfig` field) and
             `HFLM` arguments (`batch_size`, `dtype`, `max_length`, ...).

@@ -59,7 +59,7 @@ class CacheSpec:
     @classmethod
     def parse(cls, text: str) -> "CacheSpec":
         """'quant:4:recent_tokens=0' -> CacheSpec('quant', 4, {'recent_tokens': '0'})."""
-        from qcache.caches import CACHE_KINDS
+        from eval.caches import CACHE_KINDS
 
         kind, _, rest = text.partition(":")
         bits, _, opts = rest.partition(":")
@@ -77,7 +77,7 @@ class CacheSpec:
 
     @property
     def label(self) -> str:
-        from qcache.caches import cache_label
+        from eval.caches import cache_label
 
         return cache_label(self.kind, self.bits, **self.options)
 
@@ -151,7 +151,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
             raise ValueError(f"bits_per_value={spec.options['bits_per_value']} needs calibration=auto (the widths are "
                              "chosen by calibrating); allowed: calibration=auto,bits_per_value=B")
         return spec.options
-    from qcache.calibrate import calibrate_model, max_context, rotation_choice, save_calibration
+    from calibration.cli import calibrate_model, max_context, rotation_choice, save_calibration
     from qcache.config import QuantCacheConfig
 
     from .options import parse_cache_options
@@ -165,7 +165,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
         budget = {"budget": budget, "samples": 1, "seq_len": 2048, "needle_floor": needle_floor,
                   "needle_length": needle_length,
                   "context": max_context(model, "a model that sets it (bits_per_value counts at the full context)")}
-    from qcache.models import default_cache_dir
+    from qcache.tools.models import default_cache_dir
 
     name = Path(model.config.name_or_path or "model").name
     path = default_cache_dir() / "calibration" / f"{name}-{spec.label}.qcache.safetensors".replace("/", "_")
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     import qcache
-    from qcache.models import resolve_model
+    from qcache.tools.models import resolve_model
 
     from .adapter import QCacheLM
 

@@ -17,12 +17,12 @@ where most of each cache is quantized:
     spread         per-document min/max, and a 95 % bootstrap interval resampling the scored 256-token chunks
                    (paired: default and cache on the same chunks)
 
-Bits per value held: bytes of every tensor a cache holds at the end of a document (`qcache.footprint.
+Bits per value held: bytes of every tensor a cache holds at the end of a document (`eval.footprint.
 reachable_bytes`: codes, scales, zeros, outliers, codebooks, positions, full-precision tokens, RoPE tables, ...)
 x 8, over the K and V values the default cache holds at that context (every layer and KV head: tokens held x
 head_dim x 2; sliding-window layers hold their window). A 16-bit default cache that holds nothing else is 16.0.
 
-Needles (`--lengths`, `--needles` per length, `eval.needles`): one haystack per length with key-value needles at
+Needles (`--lengths`, `--needles` per length, `calibration.needles`): one haystack per length with key-value needles at
 depths 5 %-95 %; each cache is filled once per length, then every needle's question + answer runs teacher-forced
 through its own copy of the filled cache. Reported per cache and length: the share of needles whose answer tokens
 are all the argmax (Wilson 95 % interval; also per depth third), the mean answer log-probability and its mean
@@ -55,10 +55,10 @@ from pathlib import Path
 
 import torch
 
-from qcache.footprint import reachable_bytes
+from eval.footprint import reachable_bytes
 
 from .compare import CacheSpec, auto_calibration
-from .needles import (
+from calibration.needles import (
     VALUE_KINDS,
     NeedleScore,
     build_needles,
@@ -159,7 +159,7 @@ class FidelitySettings:
         score_from: first scored position as a fraction of `context` (0.5: the second half).
         lengths: needle context lengths (empty: no needles).
         needles: needles per length.
-        needle_values: "number" (5 digits) or "word" (`eval.needles.build_needles`).
+        needle_values: "number" (5 digits) or "word" (`calibration.needles.build_needles`).
         seed: seed of the needles' keys and values and of the bootstrap.
         bootstrap: bootstrap resamples for the intervals.
         dtype: model weights' dtype.
@@ -299,8 +299,8 @@ class ChunkSums:
 
 def document_ids(tokenizer, context: int, docs: int) -> torch.LongTensor:
     """[docs, context]: the tokenizer's leading special tokens (what `tokenizer(text)` puts first, e.g. <bos>), then
-    consecutive windows of the eval split (`qcache.data.token_sequences`)."""
-    from qcache.data import token_sequences
+    consecutive windows of the eval split (`qcache.tools.data.token_sequences`)."""
+    from qcache.tools.data import token_sequences
 
     prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])
     if len(prefix) >= context:
@@ -498,7 +498,7 @@ class CacheEntry:
 def prepare_caches(model, tokenizer, specs: Sequence[CacheSpec]) -> list[CacheEntry]:
     """Factories for `specs` (`calibration=auto` calibrated now, through `eval.compare`'s own path); caches the model
     refuses (ValueError, ImportError, NotImplementedError when built) come back with `refused` set."""
-    from qcache.caches import cache_factory
+    from eval.caches import cache_factory
 
     from .options import parse_cache_options
 
@@ -886,8 +886,8 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     import qcache
-    from qcache.data import read_split, sha256_of_split
-    from qcache.models import load_model
+    from qcache.tools.data import read_split, sha256_of_split
+    from qcache.tools.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

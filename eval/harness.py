@@ -57,7 +57,7 @@ def offline_environment() -> None:
 def resolve_names(args: dict | None) -> dict:
     """`args` with short model names under `pretrained` / `tokenizer` replaced by their local directories (RULER
     loads the tokenizer from that string with AutoTokenizer, which knows nothing of short names)."""
-    from qcache.models import resolve_model
+    from qcache.tools.models import resolve_model
 
     args = dict(args or {})
     for key in _NAME_KEYS:

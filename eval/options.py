@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from qcache.config import QuantCacheConfig, format_layer_bits, parse_layer_bits
+from qcache.tools.data import chunk_bounds  # the pieces every cache is fed in (the needles use it too)
 
 __all__ = ["CACHE_OPTIONS", "chunk_bounds", "format_layer_bits", "parse_cache_options", "parse_layer_bits", "to_bool",
            "to_int"]
@@ -81,25 +82,3 @@ def parse_cache_options(options: dict) -> tuple[int | None, dict]:
     if "layer_bits" in parsed and widths:
         raise ValueError(f"layer_bits and {', '.join(widths)} both set widths; allowed: one of them")
     return parsed.pop("bits", None), parsed
-
-
-def chunk_bounds(length: int, chunk: int, align: int = 8) -> list[tuple[int, int]]:
-    """[start, end) of the pieces fed through the cache: `chunk` tokens each; a last partial piece is cut at a
-    multiple of `align` (the rest, under `align` tokens, goes last on its own).
-
-    Why: Transformers' HQQ cache re-quantizes the whole cache whenever a piece fills its residual, and hqq's
-    2-/4-bit packing fails unless kv_heads * tokens * head_dim / 64 is a multiple of 4 / 2; with every re-quantized
-    length a multiple of 8 it holds. The other caches read the same tokens either way.
-
-    Example:
-        >>> chunk_bounds(600, 256)
-        [(0, 256), (256, 512), (512, 600)]
-        >>> chunk_bounds(525, 256)
-        [(0, 256), (256, 512), (512, 520), (520, 525)]
-    """
-    bounds = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
-    start, end = bounds[-1] if bounds else (0, 0)
-    cut = start + (end - start) // align * align
-    if start < cut < end:
-        bounds[-1:] = [(start, cut), (cut, end)]
-    return bounds

@@ -5,7 +5,7 @@ from .cache import CacheMemory, QuantCache, QuantLayer
 from .config import SUPPORTED_BITS, QuantCacheConfig
 from .quant import dequantize, dequantize_grouped, pack, quantize, quantize_grouped, unpack
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # `from_pretrained(..., attn_implementation="qcache_fp32")` works after `import qcache`: the name is registered in
 # transformers' attention (and mask) interfaces, the documented way to get fp32 accumulation and the fused decode

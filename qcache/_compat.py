@@ -116,7 +116,7 @@ def binding_report() -> str:
 
     import torch
 
-    from . import __version__
+    from ._version import __version__
 
     try:
         kernels = importlib.metadata.version("kernels")

@@ -30,7 +30,6 @@ dequantized keys (RoPE re-applied) and values for the quantized region, the stor
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import sys
 from dataclasses import dataclass, fields
@@ -42,7 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import kernels
 from ._compat import binding_context, check_transformers
 from .attention import ATTN_IMPLEMENTATION as FUSED_ATTENTION  # the attention that can read codes itself
-from .calibfile import CalibrationData, load_calibration
+from .calibfile import CalibrationData, load_calibration, model_fingerprint
 from .codec import KeyCodec, ValueCodec
 from .config import CLIP_RATIOS, QuantCacheConfig
 from .kernels import Quantized
@@ -86,28 +85,6 @@ class CacheMemory:
         return CacheMemory(**{f.name: (max if f.name == "tokens" else int.__add__)(getattr(self, f.name),
                                                                                  getattr(other, f.name))
                               for f in fields(self)})
-
-
-def model_fingerprint(text_config) -> dict:
-    """What identifies a model for the cache: geometry, layer types and RoPE."""
-    try:
-        head_dim = getattr(text_config, "head_dim", None)
-    except RuntimeError as err:  # transformers' per-layer configs (Gemma 4) raise on a global read of head_dim
-        raise ValueError(f"model_type={text_config.model_type!r} sets head_dim per layer ({err}); QuantCache needs one "
-                         "head_dim for every layer") from err
-    head_dim = head_dim or text_config.hidden_size // text_config.num_attention_heads
-    layer_types = getattr(text_config, "layer_types", None)
-    rope = getattr(text_config, "rope_parameters", None)
-    return {
-        "model_type": text_config.model_type,
-        "num_hidden_layers": int(text_config.num_hidden_layers),
-        "num_key_value_heads": int(getattr(text_config, "num_key_value_heads", None)
-                                   or text_config.num_attention_heads),
-        "head_dim": int(head_dim),
-        "layer_types": list(layer_types) if layer_types is not None else None,
-        "sliding_window": getattr(text_config, "sliding_window", None),
-        "rope_parameters": json.loads(json.dumps(rope, sort_keys=True, default=str)) if rope is not None else None,
-    }
 
 
 def _positions_from_kwargs(kwargs: dict) -> torch.Tensor | None:

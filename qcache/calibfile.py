@@ -95,7 +95,7 @@ def save_calibration(path: str | os.PathLike, data: CalibrationData) -> Path:
     """Write atomically: an interrupted run leaves no file at `path` (only a temporary file that never loads)."""
     from safetensors.torch import save_file
 
-    from . import __version__
+    from ._version import __version__
 
     path = Path(path)
     tensors = {}
@@ -205,12 +205,32 @@ def _tensor_problem(name: str, kind: str, tensor: torch.Tensor, shape: tuple[int
     return None
 
 
+def model_fingerprint(text_config) -> dict:
+    """What identifies a model for the cache: geometry, layer types and RoPE."""
+    try:
+        head_dim = getattr(text_config, "head_dim", None)
+    except RuntimeError as err:  # transformers' per-layer configs (Gemma 4) raise on a global read of head_dim
+        raise ValueError(f"model_type={text_config.model_type!r} sets head_dim per layer ({err}); QuantCache needs one "
+                         "head_dim for every layer") from err
+    head_dim = head_dim or text_config.hidden_size // text_config.num_attention_heads
+    layer_types = getattr(text_config, "layer_types", None)
+    rope = getattr(text_config, "rope_parameters", None)
+    return {
+        "model_type": text_config.model_type,
+        "num_hidden_layers": int(text_config.num_hidden_layers),
+        "num_key_value_heads": int(getattr(text_config, "num_key_value_heads", None)
+                                   or text_config.num_attention_heads),
+        "head_dim": int(head_dim),
+        "layer_types": list(layer_types) if layer_types is not None else None,
+        "sliding_window": getattr(text_config, "sliding_window", None),
+        "rope_parameters": json.loads(json.dumps(rope, sort_keys=True, default=str)) if rope is not None else None,
+    }
+
+
 def _fingerprint_of(model) -> dict:
     """A fingerprint dict from a fingerprint dict or a transformers config."""
     if isinstance(model, dict):
         return model
-    from .cache import model_fingerprint  # cache.py imports this module
-
     return model_fingerprint(model.get_text_config(decoder=True) if hasattr(model, "get_text_config") else model)
 
 

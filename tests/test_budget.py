@@ -138,7 +138,7 @@ def test_sensitivities_are_measured_per_layer_stream_and_width():
 
 
 def test_cli_stores_the_plan(tmp_path, monkeypatch):
-    from qcache import calibrate as cli
+    from calibration import cli
 
     model = make_model("llama")
 
@@ -146,7 +146,7 @@ def test_cli_stores_the_plan(tmp_path, monkeypatch):
         def __call__(self, text, add_special_tokens=False, return_tensors=None):
             return {"input_ids": torch.tensor([[2 + hash(w) % 90 for w in text.split()]])}
 
-    monkeypatch.setattr("qcache.models.load_model", lambda name, dtype=None: (model, WordTokenizer()))
+    monkeypatch.setattr("qcache.tools.models.load_model", lambda name, dtype=None: (model, WordTokenizer()))
     text = tmp_path / "data.txt"
     text.write_text(" ".join(f"w{i % 300}" for i in range(2000)))
     out = tmp_path / "plan.safetensors"
@@ -167,7 +167,7 @@ def test_cli_stores_the_plan(tmp_path, monkeypatch):
 
 
 def test_cli_refuses_options_that_refuse_the_files_codebooks(tmp_path, capsys):
-    from qcache import calibrate as cli
+    from calibration import cli
 
     with pytest.raises(SystemExit):
         cli.main(["--out", str(tmp_path / "x.safetensors"), "--option", "rotate=kv", "--option",
@@ -179,7 +179,7 @@ def test_cli_refuses_options_that_refuse_the_files_codebooks(tmp_path, capsys):
 
 
 def test_needle_haystack_length_defaults_and_is_bounded_by_the_context(tmp_path, capsys):
-    from qcache import calibrate as cli
+    from calibration import cli
 
     model = make_model("llama")  # max_position_embeddings 1024
     assert cli.needle_length(model, None) == min(cli.NEEDLE_FLOOR_LENGTH, 1024)
@@ -213,7 +213,7 @@ def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
         seen.update(config=config, budget=budget, choose_rotation=choose_rotation, try_levels=try_levels)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr("qcache.calibrate.calibrate_model", fake_calibrate)
+    monkeypatch.setattr("calibration.cli.calibrate_model", fake_calibrate)
     with pytest.raises(RuntimeError, match="stop here"):
         compare.auto_calibration(make_model("llama"), None, spec)
     assert seen["budget"] == {"budget": 3.5, "samples": 1, "seq_len": 2048, "context": 1024,
@@ -237,7 +237,7 @@ def test_eval_spec_with_a_budget_calibrates_and_labels_itself(monkeypatch):
 def test_eval_spec_gives_widths_layer_by_layer():
     from eval.compare import CacheSpec
     from eval.options import format_layer_bits, parse_cache_options, parse_layer_bits
-    from qcache.caches import cache_factory
+    from eval.caches import cache_factory
 
     spec = CacheSpec.parse("quant::layer_bits=k4v2+k8v3,window_bits=16")
     assert spec.label == "quant-layers(layer_bits=k4v2+k8v3,window_bits=16)"
@@ -296,7 +296,7 @@ def test_calibration_stores_the_rotation_choice():
 
 def test_rotation_choice_is_measured_at_the_models_full_context(monkeypatch):
     """calibrate_model sizes the rotation measurement by the model's maximum context unless told otherwise."""
-    from qcache.calibrate import calibrate_model
+    from calibration.cli import calibrate_model
 
     model = make_model("llama")  # max_position_embeddings 1024
 
@@ -311,7 +311,7 @@ def test_rotation_choice_is_measured_at_the_models_full_context(monkeypatch):
         return options, {"v": 0.0}
 
     monkeypatch.setattr("calibration.run.choose_rotate", fake_choose)
-    monkeypatch.setattr("qcache.data.read_split", lambda name: " ".join(f"w{i}" for i in range(5000)))
+    monkeypatch.setattr("qcache.tools.data.read_split", lambda name: " ".join(f"w{i}" for i in range(5000)))
     opts = QuantCacheConfig(bits=3, k_group_size=16)
     data = calibrate_model(model, WordTokenizer(), opts, "tiny", samples=2, seq_len=32, progress=False,
                            choose_rotation=True)
@@ -322,7 +322,7 @@ def test_rotation_choice_is_measured_at_the_models_full_context(monkeypatch):
 
 
 def test_cli_sensitivity_flags_need_a_budget(capsys):
-    from qcache import calibrate as cli
+    from calibration import cli
 
     with pytest.raises(SystemExit):
         cli.main(["--model", "tiny", "--out", "x.safetensors", "--sensitivity-len", "96"])

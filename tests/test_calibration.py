@@ -173,7 +173,7 @@ def test_interrupted_write_leaves_nothing_that_loads(llama_file, tmp_path, monke
 
 def test_cli_writes_a_loadable_file(tmp_path, monkeypatch):
     """python -m qcache.calibrate on a tiny model saved to disk, with --data text."""
-    from qcache import calibrate as cli
+    from calibration import cli
 
     model = make_model("llama")
     model_dir = tmp_path / "tiny"
@@ -184,7 +184,7 @@ def test_cli_writes_a_loadable_file(tmp_path, monkeypatch):
             ids = torch.tensor([[2 + hash(w) % 90 for w in text.split()]])
             return {"input_ids": ids}
 
-    monkeypatch.setattr("qcache.models.load_model", lambda name, dtype=None: (model, WordTokenizer()))
+    monkeypatch.setattr("qcache.tools.models.load_model", lambda name, dtype=None: (model, WordTokenizer()))
     text = tmp_path / "data.jsonl"
     text.write_text("\n".join(json.dumps({"text": " ".join(f"w{i}" for i in range(j, j + 200))}) for j in range(5)))
     out = tmp_path / "cli.safetensors"

@@ -23,7 +23,7 @@ from qcache._compat import (
     check_transformers,
     transformers_supported,
 )
-from qcache.perplexity import chunked_nll
+from eval.perplexity import chunked_nll
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTS = dict(bits=8, recent_tokens=8, k_group_size=16, sink_tokens=2)

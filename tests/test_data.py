@@ -1,4 +1,4 @@
-"""qcache.data: the offline English splits and the token windows cut from them."""
+"""qcache.tools.data: the offline English splits and the token windows cut from them."""
 
 import sys
 
@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from qcache.data import (
+from qcache.tools.data import (
     CALIBRATION_FILES,
     EVAL_FILES,
     SPLITS,

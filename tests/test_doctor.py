@@ -1,5 +1,5 @@
-"""python -m qcache.doctor on a tiny random Llama saved here (a byte tokenizer that keeps " x" whole, 512 tokens):
-the report's structure, that its numbers are those of the runs it reuses (qcache.size's formula, eval.fidelity's
+"""python -m eval.doctor on a tiny random Llama saved here (a byte tokenizer that keeps " x" whole, 512 tokens):
+the report's structure, that its numbers are those of the runs it reuses (qcache.tools.size's formula, eval.fidelity's
 rows), that the choice follows the needle intervals, the fp32-accumulation probe (it fails a bf16 running sum), and
 clear errors."""
 
@@ -13,9 +13,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 pytest.importorskip("lm_eval")
 
-from qcache import doctor  # noqa: E402
+from eval import doctor  # noqa: E402
 from qcache.attention import fp32_sdpa_attention_forward  # noqa: E402
-from qcache.size import Geometry, cache_bytes  # noqa: E402
+from qcache.tools.size import Geometry, cache_bytes  # noqa: E402
 CONTEXT = 512
 
 
@@ -72,7 +72,7 @@ def test_report_has_every_section_and_writes_its_files(run):
     assert [r["setting"] for r in report["rows"]] == ["default", "quant-8bit", "quant-4bit", "quant-3bit", "quant-2bit"]
     assert set(report) >= {"command", "settings", "geometry", "attention", "size", "rows", "choice", "fidelity",
                            "needles", "timings"}
-    assert report["command"].startswith("python -m qcache.doctor --model")
+    assert report["command"].startswith("python -m eval.doctor --model")
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     md = out.with_suffix(".md").read_text()
@@ -264,11 +264,15 @@ def test_settings_validate(kwargs, message):
         doctor.DoctorSettings(context=512, **kwargs)
 
 
-def test_qcache_imports_without_eval_or_matplotlib():
+@pytest.mark.parametrize("blocked, modules", [
+    (["lm_eval", "matplotlib"], ["eval.doctor"]),  # the doctor loads lm-eval and matplotlib only when it runs them
+    (["lm_eval", "matplotlib", "eval", "calibration"], ["qcache", "qcache.tools.size"]),  # the runtime and sizing
+])
+def test_imports_without_what_it_does_not_need(blocked, modules):
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['lm_eval'] = None; sys.modules['matplotlib'] = None; sys.modules['eval'] = None\n"
-            "import qcache.doctor, qcache\nprint('ok')")
+    code = ("import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
+            + "".join(f"import {name}\n" for name in modules) + "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr

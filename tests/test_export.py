@@ -1,4 +1,4 @@
-"""python -m qcache.export vllm: fp8 KV-cache scales as vLLM / compressed-tensors checkpoints carry them.
+"""python -m qcache.tools.export vllm: fp8 KV-cache scales as vLLM / compressed-tensors checkpoints carry them.
 
 Tiny random models (conftest) saved to a temporary directory and calibrated on random ids. The K/V that attention
 really reads (after RoPE) are recorded with an attention function registered through transformers' attention
@@ -17,7 +17,7 @@ from calibration import calibrate, collect_statistics
 from conftest import make_model
 from qcache import QuantCacheConfig
 from qcache.calibfile import CalibrationData, load_calibration, save_calibration
-from qcache.export import (FP8_E4M3_MAX, SCALES_FILE, ExportOptions, export_vllm, fp8_scales, kv_cache_scheme,
+from qcache.tools.export import (FP8_E4M3_MAX, SCALES_FILE, ExportOptions, export_vllm, fp8_scales, kv_cache_scheme,
                            main, quantization_config)
 
 OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)

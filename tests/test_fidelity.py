@@ -1,4 +1,4 @@
-"""eval.fidelity and eval.needles on tiny models built here (no checkpoint, no download).
+"""eval.fidelity and calibration.needles on tiny models built here (no checkpoint, no download).
 
 * KL / top-1 / Δ PPL: a random 2-layer Llama; the default cache against itself, and caches that add noise to the
   values they store (more noise, more divergence).
@@ -32,7 +32,7 @@ from eval.fidelity import (  # noqa: E402
     summarize_fidelity,
     values_held,
 )
-from eval.needles import (  # noqa: E402
+from calibration.needles import (  # noqa: E402
     Needle,
     build_needles,
     fill_cache,
@@ -41,8 +41,8 @@ from eval.needles import (  # noqa: E402
     score_suffix,
     wilson_interval,
 )
-from qcache.caches import build_cache, cache_label  # noqa: E402
-from qcache.footprint import reachable_bytes  # noqa: E402
+from eval.caches import build_cache, cache_label  # noqa: E402
+from eval.footprint import reachable_bytes  # noqa: E402
 
 VOCAB, CONTEXT, CHUNK = 96, 192, 32
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from calibration import calibrate
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig, hub
+from qcache.tools import publish
 from qcache.calibfile import load_calibration, save_calibration
 
 REPO = "qcache-tests/tiny-llama-2bit"
@@ -110,7 +111,7 @@ def test_neither_path_nor_repo_id(hf_cache, source, match):
 
 
 def test_save_folder_writes_file_and_model_card(calib_file, tmp_path):
-    folder = hub.save_folder(calib_file, tmp_path / "repo", quality=QUALITY, repo_id=REPO)
+    folder = publish.save_folder(calib_file, tmp_path / "repo", quality=QUALITY, repo_id=REPO)
     assert sorted(p.name for p in folder.iterdir()) == sorted([hub.CALIBRATION_FILENAME, hub.CARD_FILENAME])
     assert (folder / hub.CALIBRATION_FILENAME).read_bytes() == calib_file.read_bytes()
     card = ModelCard.load(folder / hub.CARD_FILENAME)
@@ -128,20 +129,20 @@ def test_save_folder_writes_file_and_model_card(calib_file, tmp_path):
 
 
 def test_card_without_quality_says_so(calib_file, tmp_path):
-    text = (hub.save_folder(calib_file, tmp_path / "repo") / hub.CARD_FILENAME).read_text()
+    text = (publish.save_folder(calib_file, tmp_path / "repo") / hub.CARD_FILENAME).read_text()
     assert "Not measured for this card" in text and "base_model" not in text
 
 
 def test_card_names_the_base_model_of_a_short_name(calib_file, tmp_path):
     data = load_calibration(calib_file)
     data.settings = {**data.settings, "model": "smollm2-135m"}
-    card = ModelCard(hub.model_card(data, "0" * 64))
+    card = ModelCard(publish.model_card(data, "0" * 64))
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_hub_round_trip_offline(hf_cache, calib_file, tmp_path):
     """save_folder -> (the files as a download stores them) -> QuantCache.from_calibration("org/name")."""
-    folder = hub.save_folder(calib_file, tmp_path / "repo", quality=QUALITY, repo_id=REPO)
+    folder = publish.save_folder(calib_file, tmp_path / "repo", quality=QUALITY, repo_id=REPO)
     cache_put(hf_cache, REPO, {p.name: p for p in folder.iterdir()})
     data = load_calibration(REPO)
     original = load_calibration(calib_file)
@@ -189,8 +190,8 @@ def recording_hub(monkeypatch):
 
 
 def test_push_uploads_the_folder(recording_hub, calib_file, tmp_path):
-    folder = hub.save_folder(calib_file, tmp_path / "repo")
-    url = hub.push_to_hub(folder, REPO, private=True)
+    folder = publish.save_folder(calib_file, tmp_path / "repo")
+    url = publish.push_to_hub(folder, REPO, private=True)
     expected = sorted([hub.CALIBRATION_FILENAME, hub.CARD_FILENAME])
     assert recording_hub == [("create_repo", REPO, True, True), ("upload_folder", REPO, expected, expected)]
     assert url.endswith("/commit/1")
@@ -200,7 +201,7 @@ def test_push_uploads_the_folder(recording_hub, calib_file, tmp_path):
                                          ("no-card", r"lacks \['README.md'\]"),
                                          ("bad-repo-id", "is not a hub repo id")])
 def test_push_refuses(recording_hub, calib_file, tmp_path, monkeypatch, case, match):
-    folder = hub.save_folder(calib_file, tmp_path / "repo")
+    folder = publish.save_folder(calib_file, tmp_path / "repo")
     repo = REPO
     if case == "offline":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -209,7 +210,7 @@ def test_push_refuses(recording_hub, calib_file, tmp_path, monkeypatch, case, ma
     else:
         repo = "not a repo"
     with pytest.raises(ValueError, match=match):
-        hub.push_to_hub(folder, repo)
+        publish.push_to_hub(folder, repo)
     assert recording_hub == []  # nothing was sent
 
 
@@ -220,8 +221,8 @@ def test_push_refuses(recording_hub, calib_file, tmp_path, monkeypatch, case, ma
 
 @pytest.fixture
 def cli(tmp_path, monkeypatch):
-    """qcache.calibrate.main on conftest's tiny llama with a word tokenizer and a small --data file."""
-    from qcache import calibrate as cli_module
+    """calibration.cli.main on conftest's tiny llama with a word tokenizer and a small --data file."""
+    from calibration import cli as cli_module
 
     model = make_model("llama")
 
@@ -229,7 +230,7 @@ def cli(tmp_path, monkeypatch):
         def __call__(self, text, add_special_tokens=False, return_tensors=None):
             return {"input_ids": torch.tensor([[2 + int(w[1:]) % 90 for w in text.split()]])}
 
-    monkeypatch.setattr("qcache.models.load_model", lambda name, dtype=None: (model, WordTokenizer()))
+    monkeypatch.setattr("qcache.tools.models.load_model", lambda name, dtype=None: (model, WordTokenizer()))
     text = tmp_path / "data.jsonl"
     text.write_text("\n".join(json.dumps({"text": " ".join(f"w{i}" for i in range(j, j + 150))}) for j in range(3)))
     quality = tmp_path / "quality.md"

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qcache import QuantCache
-from qcache.data import read_split
-from qcache.models import load_model
+from qcache.tools.data import read_split
+from qcache.tools.models import load_model
 
 QUESTION = "\n\nThe capital of France is"
 

@@ -58,7 +58,7 @@ def test_resolved_options_win_over_legacy_defaults():
 
 
 def _needle_row(kind, length, found, thirds):
-    from eval.needles import wilson_interval
+    from calibration.needles import wilson_interval
 
     return {"cache": kind, "spec": {"kind": kind}, "length": length, "needles": 30, "found": found,
             "share": found / 30, "wilson95": list(wilson_interval(found, 30)), "bits_per_value": 3.5,

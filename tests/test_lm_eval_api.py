@@ -129,7 +129,7 @@ def test_stock_lm_eval_cli_does_not_know_qcache_without_the_adapter(tiny_dir, tm
 @pytest.fixture
 def short_names(monkeypatch):
     """Short names resolve to /models/<name> (no conversion); other names pass through."""
-    monkeypatch.setattr("qcache.models.resolve_model",
+    monkeypatch.setattr("qcache.tools.models.resolve_model",
                         lambda name, cache_dir=None: f"/models/{name}" if name in ("smollm2-135m", "gemma3-270m")
                         else name)
 

@@ -1,4 +1,4 @@
-"""qcache.models: the integration module, with real weights, offline.
+"""qcache.tools.models: the integration module, with real weights, offline.
 
 SmolLM2-135M is loaded once per module. Conversions live under $QCACHE_HOME (default ~/.cache/qcache), so
 only the first run on a machine pays for them (about 20 s for SmolLM2, 65 s for Gemma-3-270M on 2 cores).
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qcache import models
-from qcache.models import MARKER_FILE, MODELS, GGUFSource, is_converted, load_model, resolve_model
+from qcache.tools import models
+from qcache.tools.models import MARKER_FILE, MODELS, GGUFSource, is_converted, load_model, resolve_model
 
 PROMPT = "The capital of France is"
 

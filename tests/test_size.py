@@ -1,4 +1,4 @@
-"""Tests for qcache.size: published KV-cache figures from geometry alone, format ratios, sliding layers, the CLI."""
+"""Tests for qcache.tools.size: published KV-cache figures from geometry alone, format ratios, sliding layers, the CLI."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import types
 import pytest
 
 from qcache.config import QuantCacheConfig
-from qcache.size import (
+from qcache.tools.size import (
     FORMATS,
     GIB,
     KIB,
@@ -205,7 +205,7 @@ def test_layer_types_quantcache_refuses_are_refused_here_too():
 
 
 def test_model_option_is_the_positional_model(capsys):
-    from qcache.size import main
+    from qcache.tools.size import main
 
     assert main(["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--context", "1024"]) == 0
     with pytest.raises(SystemExit):
@@ -253,7 +253,7 @@ def test_bad_input_raises_value_error(call, match):
 
 @pytest.fixture
 def fake_models(monkeypatch, tmp_path):
-    """A stand-in `qcache.models` whose only known short name is 'tiny-gemma3' (no downloads)."""
+    """A stand-in `qcache.tools.models` whose only known short name is 'tiny-gemma3' (no downloads)."""
     model_dir = tmp_path / "tiny-gemma3"
     _tiny_gemma3().save_pretrained(model_dir)
 
@@ -262,9 +262,9 @@ def fake_models(monkeypatch, tmp_path):
             raise ValueError(f"unknown model {name!r}; allowed: ['tiny-gemma3']")
         return model_dir
 
-    module = types.ModuleType("qcache.models")
+    module = types.ModuleType("qcache.tools.models")
     module.resolve_model = resolve_model
-    monkeypatch.setitem(sys.modules, "qcache.models", module)
+    monkeypatch.setitem(sys.modules, "qcache.tools.models", module)
     return model_dir
 
 

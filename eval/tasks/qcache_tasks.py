@@ -2,7 +2,7 @@
 
     task             output type             data
     ---------------  ----------------------  -----------------------------------------------------------------
-    qcache_ppl       loglikelihood_rolling   qcache.data's "eval" split (never used by calibration), cut at
+    qcache_ppl       loglikelihood_rolling   qcache.tools.data's "eval" split (never used by calibration), cut at
                                              paragraph ends into documents of about `ppl_doc_chars` characters
     qcache_passkey   generate_until          "The pass key is NNNNN. Remember it." hidden at a random depth in
                                              filler text, sized with the model's tokenizer to each length
@@ -59,7 +59,7 @@ def _load_tokenizer(name: str):
 
     from transformers import AutoTokenizer
 
-    from qcache.models import resolve_model
+    from qcache.tools.models import resolve_model
 
     path = resolve_model(name)
     local = {"local_files_only": True} if Path(path).is_dir() else {}
@@ -105,9 +105,9 @@ def split_documents(text: str, doc_chars: int) -> list[str]:
 
 
 def eval_text(**kwargs) -> dict[str, datasets.Dataset]:
-    """The qcache_ppl documents: the "eval" split of qcache.data, with their token counts when a tokenizer is
+    """The qcache_ppl documents: the "eval" split of qcache.tools.data, with their token counts when a tokenizer is
     known (for token_perplexity)."""
-    from qcache.data import read_split
+    from qcache.tools.data import read_split
 
     doc_chars = int(kwargs.get("ppl_doc_chars") or PPL_DOC_CHARS)
     tokenizer = _tokenizer(kwargs, "qcache_ppl", required=False)

@@ -37,7 +37,7 @@ def build_cache(kind: str, model_config, bits: int | None = None, **options):
 
         return DynamicCache(config=model_config)
     if kind == "quant":
-        from .cache import QuantCache
+        from qcache.cache import QuantCache
 
         calibration = options.pop("calibration", None)
         if calibration is not None:
@@ -88,7 +88,7 @@ def cache_label(kind: str, bits: int | None = None, **options) -> str:
     elif kind == "quant" and bits is None and options.get("layer_bits") is not None:  # widths given layer by layer
         label = "quant-layers"
     elif kind == "quant" and bits is None:
-        from .config import QuantCacheConfig
+        from qcache.config import QuantCacheConfig
 
         options = dict(options)
         k_bits = int(options.pop("k_bits", None) or QuantCacheConfig.k_bits)

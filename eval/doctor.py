@@ -1,17 +1,17 @@
 """Which QuantCache width a model can afford at a context: memory from the sizing formula, quality measured.
 
-    python -m qcache.doctor --model smollm2-135m --context 8192 --budget-gib 4
-    python -m qcache.doctor --model path/to/model_dir --context 4096 --quick
-    python -m qcache.doctor --model gemma3-270m --context 32768 --docs 1 --needles 20
+    python -m eval.doctor --model smollm2-135m --context 8192 --budget-gib 4
+    python -m eval.doctor --model path/to/model_dir --context 4096 --quick
+    python -m eval.doctor --model gemma3-270m --context 32768 --docs 1 --needles 20
 
 For the model and the context N it reports, per width (8/4/3/2 bits by default, `--bits`):
 
-    memory       bytes/token and GiB at N from `qcache.size` (the same formula as `python -m qcache.size`), next to
+    memory       bytes/token and GiB at N from `qcache.tools.size` (the same formula as `python -m qcache.size`), next to
                  the bytes the cache measurably held at the end of an N-token document; with `--budget-gib`, how
                  many N-token sequences fit
     fidelity     KL(default || cache), top-1 agreement and Δ perplexity vs the default cache on `--docs` documents
                  of N tokens of the eval text (`eval.fidelity`: lockstep, the second half scored, 95 % bootstrap)
-    needles      `--needles` key-value needles in one N-token haystack (`eval.needles`): share found (Wilson 95 %),
+    needles      `--needles` key-value needles in one N-token haystack (`calibration.needles`): share found (Wilson 95 %),
                  the mean needle margin (log p(answer token) - the best other token's, the minimum over the answer;
                  > 0: found) and the mean Δ answer log-prob vs the default cache (95 % bootstrap)
     attention    which attention implementation the model runs, what the code says about its accumulator, and a
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .config import SUPPORTED_BITS
+from qcache.config import SUPPORTED_BITS
 
 __all__ = [
     "WIDTHS",
@@ -151,7 +151,7 @@ class DoctorSettings:
 
     @property
     def labels(self) -> list[str]:
-        """Row labels of the widths, as `qcache.caches.cache_label` writes them."""
+        """Row labels of the widths, as `eval.caches.cache_label` writes them."""
         from .caches import cache_label
 
         return [cache_label("quant", b) for b in self.bits]
@@ -170,21 +170,21 @@ class DoctorSettings:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Memory (the sizing formula of qcache.size)
+# Memory (the sizing formula of qcache.tools.size)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def size_rows(geometry, context: int, bits: Sequence[int], budget_gib: float | None = None) -> list[dict]:
-    """`qcache.size.size_table` rows for the 16-bit default cache and QuantCache at `bits`, at `context` tokens
+    """`qcache.tools.size.size_table` rows for the 16-bit default cache and QuantCache at `bits`, at `context` tokens
     (requests of `context` tokens counted against `budget_gib`, when given), each with its `setting` label.
 
     Example:
-        >>> from qcache.size import Geometry
+        >>> from qcache.tools.size import Geometry
         >>> [r["setting"] for r in size_rows(Geometry(30, 3, 64), 8192, (4, 2))]
         ['default', 'quant-4bit', 'quant-2bit']
     """
     from .caches import cache_label
-    from .size import GIB, QCACHE_FORMATS, size_table
+    from qcache.tools.size import GIB, QCACHE_FORMATS, size_table
 
     formats = ["16-bit"] + [f for f, b in QCACHE_FORMATS.items() if b in bits]
     budget = (budget_gib or 0) * GIB
@@ -409,12 +409,12 @@ def diagnose(model, tokenizer, settings: DoctorSettings, progress: bool = True) 
     try:
         from eval.compare import CacheSpec
         from eval.fidelity import document_ids, needle_align, prepare_caches, run_fidelity, run_needles
-        from eval.needles import build_needles
+        from calibration.needles import build_needles
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(f"python -m qcache.doctor runs the fidelity runner of eval/ ({err}); "
+        raise ImportError(f"python -m eval.doctor runs the fidelity runner of eval/ ({err}); "
                           "pip install 'qcache[eval]'") from err
-    from .data import read_split
-    from .size import Geometry
+    from qcache.tools.data import read_split
+    from qcache.tools.size import Geometry
 
     text_config = model.config.get_text_config(decoder=True)
     settings.check_model(getattr(text_config, "max_position_embeddings", None))
@@ -510,9 +510,9 @@ def markdown(report: dict) -> str:
              f"Model: {report['geometry']['describe']}. Every quality number is measured in this run against the "
              "default cache (DynamicCache) on the same tokens; QuantCache at default options otherwise.", "",
              "## Memory", "",
-             f"bytes/token and GiB at {N}: `qcache.size` (the formula of `python -m qcache.size`, averaged over the "
+             f"bytes/token and GiB at {N}: `qcache.tools.size` (the formula of `python -m qcache.size`, averaged over the "
              f"context); held: the bytes every tensor of the cache held at the end of a {N}-token document in this "
-             "run (`qcache.footprint`; includes reserved capacity and the RoPE helper the formula leaves out).", "",
+             "run (`eval.footprint`; includes reserved capacity and the RoPE helper the formula leaves out).", "",
              "| setting | bytes/token (formula) | GiB at N (formula) | bytes/token held here | bits/value held |"
              + (f" sequences of {N} in {budget:g} GiB |" if budget is not None else ""),
              "|---|---:|---:|---:|---:|" + ("---:|" if budget is not None else "")]
@@ -579,7 +579,7 @@ def plot(report: dict, path: Path) -> None:
     if s["budget_gib"] is not None:
         ax_mem.axhline(s["budget_gib"], color="C3", ls="--", lw=1, label=f"budget {s['budget_gib']:g} GiB")
         ax_mem.legend(fontsize=8)
-    ax_mem.set_ylabel(f"GiB at {s['context']} tokens (qcache.size formula)")
+    ax_mem.set_ylabel(f"GiB at {s['context']} tokens (qcache.tools.size formula)")
     ax_mem.set_title("KV cache of one sequence", fontsize=10)
 
     measured = [r for r in rows if "kl" in r and r.get("bits_per_value") is not None]
@@ -627,7 +627,7 @@ FULL = {"docs": DoctorSettings.docs, "needles": DoctorSettings.needles, "bootstr
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m qcache.doctor", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m eval.doctor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
                    help="short model name (smollm2-135m, gemma3-270m) or a local Hugging Face model directory")
@@ -666,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Measure, print the report, write <out>.json, <out>.md and <out>.png; returns the report."""
     parser = _parser()
     args = parser.parse_args(argv)
-    from .size import load_config, resolve_config_source
+    from qcache.tools.size import load_config, resolve_config_source
 
     try:
         _positive_int("threads", args.threads)
@@ -681,14 +681,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         settings.check_model(max_positions)
     except ValueError as err:
         parser.error(str(err))
-    command = "python -m qcache.doctor " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m eval.doctor " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("transformers").setLevel(logging.WARNING)
 
     import transformers
 
-    from . import __version__
-    from .models import load_model
+    from qcache import __version__
+    from qcache.tools.models import load_model
 
     torch.set_num_threads(args.threads)
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")

@@ -243,7 +243,7 @@ def build_needles(tokenizer, text: str, length: int, count: int, seed: int = 0, 
 def fill_cache(model, cache, ids: torch.Tensor, chunk: int = 256):
     """Feed `ids` [1, F] through `cache` in chunks (`eval.options.chunk_bounds`: `chunk` tokens, a last partial
     piece cut at a multiple of 8); only the last position's logits are computed. Returns the cache."""
-    from .options import chunk_bounds
+    from qcache.tools.data import chunk_bounds
 
     device = next(model.parameters()).device
     for start, end in chunk_bounds(ids.shape[1], chunk):

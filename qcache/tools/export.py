@@ -1,7 +1,7 @@
-"""python -m qcache.export vllm: fp8 KV-cache scales for vLLM from a calibration file.
+"""python -m qcache.tools.export vllm: fp8 KV-cache scales for vLLM from a calibration file.
 
-    python -m qcache.export vllm --model smollm2-135m --calibration smollm2.qcache.safetensors --out smollm2-fp8kv
-    python -m qcache.export vllm --model ./my-hf-dir --calibration org/my-calibration --out out --strategy attn_head
+    python -m qcache.tools.export vllm --model smollm2-135m --calibration smollm2.qcache.safetensors --out smollm2-fp8kv
+    python -m qcache.tools.export vllm --model ./my-hf-dir --calibration org/my-calibration --out out --strategy attn_head
     vllm serve smollm2-fp8kv --kv-cache-dtype fp8
 
 writes a model directory the way llm-compressor / compressed-tensors checkpoints carry fp8 KV-cache scales:
@@ -158,7 +158,7 @@ def attention_prefixes(names, num_layers: int) -> list[str]:
 
 def _model_dir(model: str | os.PathLike) -> Path:
     """A local directory for a short name, a directory, or a hub id (from the local HF cache when offline)."""
-    from .hub import hub_cache_dir, is_offline
+    from ..hub import hub_cache_dir, is_offline
     from .models import resolve_model
 
     path = Path(resolve_model(model)).expanduser()
@@ -202,8 +202,8 @@ def export_vllm(model: str | os.PathLike, calibration, out: str | os.PathLike,
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from .cache import model_fingerprint
-    from .calibfile import CalibrationData, load_calibration
+    from ..calibfile import model_fingerprint
+    from ..calibfile import CalibrationData, load_calibration
 
     options = options or ExportOptions()
     data = calibration if isinstance(calibration, CalibrationData) else load_calibration(calibration)
@@ -279,7 +279,7 @@ def export_vllm(model: str | os.PathLike, calibration, out: str | os.PathLike,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qcache.export", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m qcache.tools.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     engines = p.add_subparsers(dest="engine", required=True, metavar="ENGINE", help="serving engine: vllm")
     v = engines.add_parser("vllm", help="fp8 KV-cache scales as vLLM / compressed-tensors checkpoints carry them")

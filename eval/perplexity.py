@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ._compat import check_transformers, require_cache_written
+from qcache._compat import check_transformers, require_cache_written
 
 __all__ = ["chunked_nll", "chunked_perplexity"]
 

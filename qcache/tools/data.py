@@ -33,6 +33,7 @@ __all__ = [
     "read_split",
     "sha256_of_split",
     "token_sequences",
+    "chunk_bounds",
 ]
 
 logger = logging.getLogger(__name__)
@@ -107,3 +108,25 @@ def token_sequences(tokenizer, split: str, num_sequences: int, seq_len: int) -> 
         )
     logger.debug("split %r: %d tokens, using the first %d", split, len(ids), needed)
     return torch.tensor(ids[:needed], dtype=torch.long).view(num_sequences, seq_len)  # [N*L] -> [N, L]
+
+
+def chunk_bounds(length: int, chunk: int, align: int = 8) -> list[tuple[int, int]]:
+    """[start, end) of the pieces fed through the cache: `chunk` tokens each; a last partial piece is cut at a
+    multiple of `align` (the rest, under `align` tokens, goes last on its own).
+
+    Why: Transformers' HQQ cache re-quantizes the whole cache whenever a piece fills its residual, and hqq's
+    2-/4-bit packing fails unless kv_heads * tokens * head_dim / 64 is a multiple of 4 / 2; with every re-quantized
+    length a multiple of 8 it holds. The other caches read the same tokens either way.
+
+    Example:
+        >>> chunk_bounds(600, 256)
+        [(0, 256), (256, 512), (512, 600)]
+        >>> chunk_bounds(525, 256)
+        [(0, 256), (256, 512), (512, 520), (520, 525)]
+    """
+    bounds = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+    start, end = bounds[-1] if bounds else (0, 0)
+    cut = start + (end - start) // align * align
+    if start < cut < end:
+        bounds[-1:] = [(start, cut), (cut, end)]
+    return bounds
