@@ -5,7 +5,7 @@
 Each cache is built for the model's config and filled through `Cache.update`, layer by layer, in chunks of 1024
 tokens at consecutive positions, with the same random bf16 key/value states for every cache (the bytes a cache holds
 depend on the geometry and the token count, not on the values; no model forward is needed). Bytes are counted by
-`eval.footprint.reachable_bytes` (every tensor storage reachable from the cache object, each once: codes, scales,
+`qcache.tools.footprint.reachable_bytes` (every tensor storage reachable from the cache object, each once: codes, scales,
 outliers, full-precision tokens, positions, RoPE tables or anything else it keeps) and, for QuantCache, compared with
 what its own `memory()` reports. Bits/value held = bytes x 8 / the K and V values the default cache holds (sliding
 layers count their window), so the default cache is 16.0. Not a test.
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from qcache import QuantCache, __version__
 from eval.caches import build_cache
-from eval.footprint import reachable_bytes
+from qcache.tools.footprint import reachable_bytes
 from qcache.tools.models import load_model
 
 DEFAULT_RUNS = {"smollm2-135m": 8192, "gemma3-270m": 32768}
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
              f"`{report['command']}` at {report['git']['commit'][:10]}"
              f"{'' if report['git']['clean'] else ' (uncommitted changes)'}. Caches filled through `Cache.update` "
              "with bf16 states at consecutive positions; bytes = every tensor storage reachable from the cache "
-             "(`eval.footprint`); bits/value held = 16 x bytes / the default cache's bytes.", "",
+             "(`qcache.tools.footprint`); bits/value held = 16 x bytes / the default cache's bytes.", "",
              "| model | tokens | cache | MB held | x default | bits/value held | `memory().total` MB |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:

@@ -49,7 +49,7 @@ from qcache.cache import QuantLayer
 from qcache.attention import ATTN_IMPLEMENTATION, fp32_sdpa_attention_forward, use_fp32_attention
 from eval.caches import build_cache
 from qcache.tools.data import token_sequences
-from eval.footprint import reachable_bytes
+from qcache.tools.footprint import reachable_bytes
 from qcache.tools.models import load_model
 
 log = logging.getLogger("bench_speed")
@@ -116,7 +116,7 @@ class Row:
 # ---------------------------------------------------------------------------------------------------------------
 
 def cache_bytes(cache) -> int:
-    """Bytes a cache holds: every tensor reachable from it (eval.footprint), for QuantCache and peers alike."""
+    """Bytes a cache holds: every tensor reachable from it (qcache.tools.footprint), for QuantCache and peers alike."""
     return reachable_bytes(cache)
 
 

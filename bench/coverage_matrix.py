@@ -3,22 +3,9 @@
     python bench/coverage_matrix.py                       # every family, writes docs/results/coverage.{md,json}
     python bench/coverage_matrix.py --families llama gpt_neox --out /tmp/coverage
 
-For each family: a tiny random model built from a config (2 layers, hidden 64, vocab 128, fp32, weights from
-`torch.manual_seed(0)` with the config's `initializer_range` 0.02), a prompt of 48 random tokens, then 40 greedy steps
-through `generate(cache=...)` once with `DynamicCache` and once with
-`QuantCache(bits=8, sink_tokens=4, recent_tokens=16, k_group_size=16)`: 4 sinks + 16 recent tokens + the block being
-filled leave 16 prompt tokens quantized after the prefill and 64 after the 40 steps, so the steps read quantized
-keys and values. The outcome is one of
-
-    match      max |delta logit| over the 40 steps <= LOGIT_TOLERANCE x the std of the reference logits, quantized
-               tokens in the cache, and the same 40 greedy tokens; or tokens that part at a near tie: a step where
-               DynamicCache's own top-2 margin is under 2 x LOGIT_TOLERANCE x std, which any cache within the
-               tolerance may break either way (the logits are then compared along DynamicCache's tokens, fed one
-               at a time through a fresh QuantCache, as generate feeds them)
-    refused    a ValueError raised by the first forward, before the cache stored anything, whose message names
-               the family's problem (`Family.refusal`: e.g. no RoPE, another RoPE layout)
-    failed     anything else: different tokens or logits, nothing quantized, another exception, a refusal that does
-               not name the problem, or an error after the cache stored tokens
+For each family: `qcache.check.check_family` (a tiny random model, a 48-token prompt, 40 greedy steps through
+DynamicCache and `QuantCache(bits=8)`; qcache/check.py says what counts as match, refused and failed), plus a control
+for each matching family: how far a cache that loses its quantized region lands outside the tolerance.
 
 `tests/test_coverage.py` runs the same checks per family. Not a test itself: it writes the table the README shows.
 """

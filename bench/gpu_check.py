@@ -393,7 +393,7 @@ def _formula_bytes(config, row, context: int) -> float | None:
 def section_decode(sec: Section, ctx: Context) -> dict:
     """Decode tokens/s and memory per cache at one context."""
     from qcache import QuantCache
-    from eval.footprint import reachable_bytes
+    from qcache.tools.footprint import reachable_bytes
 
     model, tok = load(sec.model, ctx.device, ctx.dtype)
     L = sec.context

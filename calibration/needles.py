@@ -37,12 +37,13 @@ import copy
 import logging
 import math
 import random
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
+
+from qcache.tools.footprint import tensors_reachable
 
 __all__ = [
     "Needle",
@@ -251,29 +252,10 @@ def fill_cache(model, cache, ids: torch.Tensor, chunk: int = 256):
     return cache
 
 
-_LEAVES = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, types.FunctionType,
-           types.BuiltinFunctionType, types.MethodType, torch.dtype, torch.device, torch.Size, torch.Generator)
-
-
 def _subclass_tensors(obj) -> dict[int, torch.Tensor]:
-    """{id: tensor} of the tensor-subclass instances reachable from `obj` (attributes, dicts, lists, tuples)."""
-    found, seen, stack = {}, set(), [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, _LEAVES) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, torch.Tensor):
-            if type(item) is not torch.Tensor and not isinstance(item, torch.nn.Parameter):
-                found[id(item)] = item
-            continue
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
-        elif isinstance(getattr(item, "__dict__", None), dict):
-            stack.extend(vars(item).values())
-    return found
+    """{id: tensor} of the tensor-subclass instances reachable from `obj` (quanto's and torchao's quantized tensors)."""
+    return {id(t): t for t in tensors_reachable(obj)
+            if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)}
 
 
 def fork_cache(cache):

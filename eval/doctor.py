@@ -49,6 +49,8 @@ import torch
 
 from qcache.config import SUPPORTED_BITS
 
+from .options import MODEL_DTYPES, check_positive_int, model_dtype
+
 __all__ = [
     "WIDTHS",
     "ATTENTION_IMPLEMENTATIONS",
@@ -71,7 +73,6 @@ logger = logging.getLogger(__name__)
 
 WIDTHS = tuple(sorted(SUPPORTED_BITS, reverse=True))  # (8, 4, 3, 2)
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "qcache_fp32")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # a running sum of equal terms rounded to the dtype after each addition stops growing at 2**(significant bits) terms
 _STALL_TERMS = {torch.bfloat16: 256, torch.float16: 2048}
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
@@ -91,11 +92,6 @@ ACCUMULATION = {
               "CPU; cuBLAS may reduce in bf16: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction "
               "defaults to True)"),
 }
-
-
-def _positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
 @dataclass(frozen=True)
@@ -132,7 +128,7 @@ class DoctorSettings:
 
     def __post_init__(self) -> None:
         for name in ("context", "docs", "needles", "chunk", "bootstrap"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if not self.bits:
             raise ValueError(f"bits=() measures nothing; allowed values: {list(WIDTHS)}")
         for b in self.bits:
@@ -143,8 +139,7 @@ class DoctorSettings:
         if self.budget_gib is not None and (isinstance(self.budget_gib, bool) or not isinstance(
                 self.budget_gib, (int, float)) or not math.isfinite(self.budget_gib) or self.budget_gib <= 0):
             raise ValueError(f"budget_gib={self.budget_gib!r} must be a positive number")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; allowed values: {sorted(_DTYPES)}")
+        model_dtype(self.dtype)
         if self.attn_implementation not in (None, *ATTENTION_IMPLEMENTATIONS):
             raise ValueError(f"attn_implementation={self.attn_implementation!r} is not supported; allowed values: "
                              f"{list(ATTENTION_IMPLEMENTATIONS)}")
@@ -244,7 +239,7 @@ def probe_accumulation(fn: Callable, module, keys: int, dtype: torch.dtype, q_he
         >>> probe_accumulation(fp32_sdpa_attention_forward, m, 4096, torch.bfloat16, 2, 1, 64)["verdict"]
         'fp32'
     """
-    _positive_int("keys", keys)
+    check_positive_int("keys", keys)
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, q_heads, 1, head_dim, generator=gen).to(dtype)  # [B, Hq, 1, D]
     k = torch.randn(1, kv_heads, 1, head_dim, generator=gen).to(dtype).expand(1, kv_heads, keys, head_dim)  # equal
@@ -512,7 +507,7 @@ def markdown(report: dict) -> str:
              "## Memory", "",
              f"bytes/token and GiB at {N}: `qcache.tools.size` (the formula of `python -m qcache.size`, averaged over the "
              f"context); held: the bytes every tensor of the cache held at the end of a {N}-token document in this "
-             "run (`eval.footprint`; includes reserved capacity and the RoPE helper the formula leaves out).", "",
+             "run (`qcache.tools.footprint`; includes reserved capacity and the RoPE helper the formula leaves out).", "",
              "| setting | bytes/token (formula) | GiB at N (formula) | bytes/token held here | bits/value held |"
              + (f" sequences of {N} in {budget:g} GiB |" if budget is not None else ""),
              "|---|---:|---:|---:|---:|" + ("---:|" if budget is not None else "")]
@@ -642,7 +637,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", type=int, default=None, help=f"fidelity documents of N tokens (default {FULL['docs']})")
     p.add_argument("--needles", type=int, default=None, help=f"needles in the haystack (default {FULL['needles']})")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward pass through each cache (default 256)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="model weights' dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(MODEL_DTYPES), help="model weights' dtype")
     p.add_argument("--attn-implementation", default=None, choices=ATTENTION_IMPLEMENTATIONS,
                    help="attention the model runs (default: what transformers picks, sdpa for most models)")
     p.add_argument("--seed", type=int, default=0, help="seed of the needles and the bootstrap")
@@ -669,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from qcache.tools.size import load_config, resolve_config_source
 
     try:
-        _positive_int("threads", args.threads)
+        check_positive_int("threads", args.threads)
         path = resolve_config_source(args.model)  # a known name or an existing directory; refused otherwise
         config = load_config(path)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -692,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads)
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
-    model, tokenizer = load_model(str(path), dtype=_DTYPES[settings.dtype],
+    model, tokenizer = load_model(str(path), dtype=model_dtype(settings.dtype),
                                   attn_implementation=settings.attn_implementation)
     load_seconds = time.perf_counter() - t0
     try:

@@ -17,7 +17,7 @@ where most of each cache is quantized:
     spread         per-document min/max, and a 95 % bootstrap interval resampling the scored 256-token chunks
                    (paired: default and cache on the same chunks)
 
-Bits per value held: bytes of every tensor a cache holds at the end of a document (`eval.footprint.
+Bits per value held: bytes of every tensor a cache holds at the end of a document (`qcache.tools.footprint.
 reachable_bytes`: codes, scales, zeros, outliers, codebooks, positions, full-precision tokens, RoPE tables, ...)
 x 8, over the K and V values the default cache holds at that context (every layer and KV head: tokens held x
 head_dim x 2; sliding-window layers hold their window). A 16-bit default cache that holds nothing else is 16.0.
@@ -55,9 +55,6 @@ from pathlib import Path
 
 import torch
 
-from eval.footprint import reachable_bytes
-
-from .compare import CacheSpec, auto_calibration
 from calibration.needles import (
     VALUE_KINDS,
     NeedleScore,
@@ -69,6 +66,9 @@ from calibration.needles import (
     score_needles,
     wilson_interval,
 )
+from .compare import CacheSpec, auto_calibration
+from qcache.tools.footprint import reachable_bytes
+from .options import MODEL_DTYPES, check_positive_int, chunk_bounds, model_dtype, parse_cache_options
 from .provenance import git_state, load_average
 
 __all__ = [
@@ -143,11 +143,6 @@ def needle_align(chunk: int) -> int:
 _BLOCK = 32  # positions per log-softmax block (262k-token vocabularies: 32 MiB per fp32 block)
 
 
-def _positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
 @dataclass(frozen=True)
 class FidelitySettings:
     """What one run measures (validated; the model-dependent limits are checked by `check_model`).
@@ -182,20 +177,19 @@ class FidelitySettings:
 
     def __post_init__(self):
         for name in ("context", "docs", "chunk", "needles", "bootstrap"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if not 0.0 <= self.score_from < 1.0:
             raise ValueError(f"score_from={self.score_from!r} must be in [0, 1)")
         if self.scored_per_doc < 1:
             raise ValueError(f"context={self.context} with score_from={self.score_from} scores no position")
         for n in self.lengths:
-            _positive_int("length", n)
+            check_positive_int("length", n)
         if len(set(self.lengths)) != len(self.lengths):
             raise ValueError(f"lengths={list(self.lengths)} repeats a length")
         if self.needle_values not in VALUE_KINDS:
             raise ValueError(f"needle_values={self.needle_values!r} is not supported; allowed values: "
                              f"{list(VALUE_KINDS)}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; allowed values: {sorted(_DTYPES)}")
+        model_dtype(self.dtype)
 
     @property
     def score_start(self) -> int:
@@ -216,7 +210,6 @@ class FidelitySettings:
                 raise ValueError(f"{name}={n} exceeds the model's max_position_embeddings={max_positions}")
 
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -280,7 +273,7 @@ def values_held(default_cache) -> int:
 
 def bits_per_value_held(cache, values: int) -> float:
     """Bytes of every tensor reachable from `cache` x 8 / `values` (the values the default cache holds)."""
-    _positive_int("values", values)
+    check_positive_int("values", values)
     return reachable_bytes(cache) * 8 / values
 
 
@@ -340,7 +333,6 @@ def lockstep_document(model, ids: torch.Tensor, doc: int, reference: CacheTrack,
     """Feed one document `ids` [L] through the reference and every candidate, chunk by chunk; append each chunk's
     sums to the candidates' tracks and the bits held at the end to every track. A candidate that raises is
     marked with its error and dropped (its cache freed); the others go on."""
-    from .options import chunk_bounds
 
     device = next(model.parameters()).device
     length = ids.shape[0]
@@ -500,7 +492,6 @@ def prepare_caches(model, tokenizer, specs: Sequence[CacheSpec]) -> list[CacheEn
     refuses (ValueError, ImportError, NotImplementedError when built) come back with `refused` set."""
     from eval.caches import cache_factory
 
-    from .options import parse_cache_options
 
     entries = []
     for spec in specs:
@@ -525,7 +516,6 @@ def run_fidelity(model, ids: torch.Tensor, entries: Sequence[CacheEntry], settin
     """Every document through every cache in lockstep; one row per cache (the reference first)."""
     from tqdm.auto import tqdm
 
-    from .options import chunk_bounds
 
     ref_entry = next(e for e in entries if e.spec.kind == REFERENCE)
     reference = CacheTrack(ref_entry.label, ref_entry.make)
@@ -566,7 +556,6 @@ def run_needles(model, tokenizer, text: str, entries: Sequence[CacheEntry], sett
     """Per length, per cache: fill once, score every needle; one row per cache and length."""
     from tqdm.auto import tqdm
 
-    from .options import chunk_bounds
 
     usable = [e for e in entries if e.refused is None]
     align = needle_align(settings.chunk)
@@ -825,7 +814,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward pass through each cache")
     p.add_argument("--score-from", type=float, default=0.5,
                    help="first scored position as a fraction of the context (default 0.5: the second half)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="model weights' dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(MODEL_DTYPES), help="model weights' dtype")
     p.add_argument("--seed", type=int, default=0, help="seed of the needles and the bootstrap")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -865,7 +854,7 @@ def resolve_args(args: argparse.Namespace) -> tuple[FidelitySettings, list[Cache
     caches = args.caches if args.caches is not None else default_list
     needle_caches = args.needle_caches if args.needle_caches is not None else (caches or default_list)
     if args.threads is not None:
-        _positive_int("threads", args.threads)
+        check_positive_int("threads", args.threads)
     return settings, (_with_reference(caches) if caches else []), \
         (_with_reference(needle_caches) if needle_caches and settings.lengths else []), note
 
@@ -892,7 +881,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0, started, load_before = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S"), load_average()
-    model, tokenizer = load_model(args.model, dtype=_DTYPES[settings.dtype])
+    model, tokenizer = load_model(args.model, dtype=model_dtype(settings.dtype))
     text_config = model.config.get_text_config(decoder=True)
     try:
         settings.check_model(getattr(text_config, "max_position_embeddings", None))

@@ -14,7 +14,7 @@ import dataclasses
 from qcache.config import QuantCacheConfig, format_layer_bits, parse_layer_bits
 from qcache.tools.data import chunk_bounds  # the pieces every cache is fed in (the needles use it too)
 
-__all__ = ["CACHE_OPTIONS", "chunk_bounds", "format_layer_bits", "parse_cache_options", "parse_layer_bits", "to_bool",
+__all__ = ["CACHE_OPTIONS", "MODEL_DTYPES", "check_positive_int", "chunk_bounds", "model_dtype", "format_layer_bits", "parse_cache_options", "parse_layer_bits", "to_bool",
            "to_int"]
 
 # QuantCacheConfig fields a user may set, plus the calibration file and what chooses a per-layer plan (`layer_bits`
@@ -24,6 +24,25 @@ CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig)) + (
 _INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type).startswith("int")}
 _BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+# model weights' dtypes the runners accept, by name (torch dtypes looked up when used: this module stays import-light)
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def model_dtype(name: str):
+    """The torch dtype named `name` (one of MODEL_DTYPES)."""
+    import torch
+
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; allowed values: {sorted(MODEL_DTYPES)}")
+    return getattr(torch, name)
+
+
+def check_positive_int(name: str, value) -> None:
+    """Raise unless `value` is an int >= 1 (bools refused)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
 def to_int(name: str, value) -> int | None:

@@ -4,7 +4,6 @@ cache stored for the earlier ones. A chunk the model did not store in that cache
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -12,7 +11,7 @@ from tqdm.auto import tqdm
 
 from qcache._compat import check_transformers, require_cache_written
 
-__all__ = ["chunked_nll", "chunked_perplexity"]
+__all__ = ["chunked_nll"]
 
 
 @torch.no_grad()
@@ -45,10 +44,3 @@ def chunked_nll(model, input_ids: torch.Tensor, make_cache: Callable[[], object]
         total += float(nll)
         count += targets.numel()
     return total, count
-
-
-def chunked_perplexity(model, input_ids: torch.Tensor, make_cache: Callable[[], object], chunk: int = 256,
-                       progress: bool = False, desc: str | None = None) -> float:
-    """exp(mean next-token NLL) of `input_ids` [N, L] read through the cache in chunks of `chunk` tokens."""
-    total, count = chunked_nll(model, input_ids, make_cache, chunk, progress, desc)
-    return math.exp(total / count)

@@ -40,6 +40,16 @@ def make_model(family: str, dtype=torch.float32, seed: int = 0):
     return model.to(dtype)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models and matrices: one thread is several times faster, and on a busy machine a second one only waits to
+    be scheduled. The module's thread count is restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param

@@ -7,7 +7,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig
 from qcache.cache import QuantLayer
-from eval.footprint import reachable_bytes
+from qcache.tools.footprint import reachable_bytes
 from qcache.rope import RopeHelper
 
 # small blocks so that short prompts exercise sinks, quantized blocks and the residual
@@ -429,7 +429,7 @@ def test_direct_update_without_config_names_the_fix():
 ])
 def test_memory_total_is_every_reachable_byte(family, kwargs):
     """`memory().total` is what the cache really holds: every byte of every tensor reachable from it, RoPE helper,
-    positions and preallocated capacity included (counted independently by eval.footprint)."""
+    positions and preallocated capacity included (counted independently by qcache.tools.footprint)."""
     model = make_model(family)
     cache = QuantCache(**kwargs, **OPTS)
     generate(model, prompt(90), cache, max_new_tokens=20)

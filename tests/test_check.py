@@ -4,17 +4,12 @@ import dataclasses
 import logging
 
 import pytest
-import torch
 
 from qcache import check
 from qcache._compat import TESTED_MINORS, binding_context, binding_report, check_transformers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # main() sets one thread for the tiny models
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_every_smoke_family_is_as_expected_on_the_installed_transformers(capsys):

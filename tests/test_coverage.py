@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("coverage_matrix", ROOT / "bench" / "coverage_matrix.py")
@@ -27,13 +26,7 @@ _spec.loader.exec_module(cm)
 KNOWN_FAILURES: dict[str, str] = {}  # family key -> why it fails today (strict xfail); none at present
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run several times faster on one thread than on two busy ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _params():

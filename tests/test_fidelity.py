@@ -42,18 +42,12 @@ from calibration.needles import (  # noqa: E402
     wilson_interval,
 )
 from eval.caches import build_cache, cache_label  # noqa: E402
-from eval.footprint import reachable_bytes  # noqa: E402
+from qcache.tools.footprint import reachable_bytes  # noqa: E402
 
 VOCAB, CONTEXT, CHUNK = 96, 192, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is fastest, and on a busy machine a second one only waits to be scheduled."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tiny_llama(dtype=torch.float32, seed=0, layers=2):

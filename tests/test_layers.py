@@ -3,9 +3,10 @@
 Layers, lowest first (an import, at module level or inside a function, may only point to its own layer or lower):
 
     runtime       qcache/*.py                 the cache and what it reads (codecs, store, RoPE, kernels, file format)
-    tools         qcache/tools/               applications on the runtime (models, data, size, demo, export, publish)
+    tools         qcache/tools/               applications on the runtime (models, data, size, demo, export, publish,
+                                              footprint)
     calibration   calibration/                learning from real text (its command: calibration/cli.py)
-    eval          eval/                       measurement (lm-eval adapter, fidelity, needles' runs, the doctor)
+    eval          eval/                       measurement (lm-eval adapter, fidelity, the doctor)
     bench         bench/                      benchmarks writing docs/results
 
 The three entry points a user types, `python -m qcache.calibrate`, `qcache.demo` and `qcache.size`, are two-line

@@ -12,7 +12,7 @@ from qcache.calibfile import CalibrationData
 from qcache.cache import model_fingerprint
 from qcache.codec import KeyCodec, ValueCodec
 from qcache.config import CLIP_RATIOS
-from eval.footprint import reachable_bytes
+from qcache.tools.footprint import reachable_bytes
 from qcache.levels import levels_tensor, lloyd_max_levels
 from qcache.quant import dequantize_grouped, quantize_grouped
 from qcache.rotation import hadamard_rotation

@@ -10,7 +10,7 @@ from conftest import make_model
 from kv_checks import compiled_matches_eager, fused_decode_matches_read
 from qcache import QuantCache, QuantCacheConfig
 from qcache.codec import ValueCodec
-from eval.footprint import reachable_bytes
+from qcache.tools.footprint import reachable_bytes
 from qcache.levels import _gaussian_mse, gaussian_levels, gaussian_levels_tensor
 from qcache.rotation import hadamard_rotation
 from test_cache import assert_greedy_agrees, generate, logits, prompt

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eval.footprint import reachable_bytes
+from qcache.tools.footprint import reachable_bytes
 
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig

@@ -11,7 +11,7 @@ from kv_checks import compiled_matches_eager, fused_decode_matches_read
 from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import CalibrationData, load_calibration, save_calibration
 from qcache.cache import model_fingerprint
-from eval.footprint import reachable_bytes
+from qcache.tools.footprint import reachable_bytes
 from qcache.rotation import SharedRotation, check_rotation_dim, hadamard_rotation, rotation_block
 from test_cache import assert_greedy_agrees, generate, logits, prompt
 

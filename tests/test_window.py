@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig
-from eval.footprint import reachable_bytes
+from qcache.tools.footprint import reachable_bytes
 from test_cache import assert_greedy_agrees, generate, logits, prompt
 
 OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)

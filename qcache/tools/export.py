@@ -38,7 +38,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
@@ -50,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .models import file_sha256
 
 __all__ = ["FP8_E4M3_MAX", "STRATEGIES", "ExportOptions", "kv_cache_scheme", "quantization_config", "fp8_scales",
            "attention_prefixes", "export_vllm", "vllm_commands", "main"]
@@ -174,14 +175,6 @@ def _model_dir(model: str | os.PathLike) -> Path:
                          f"({'offline, not cached' if is_offline() else type(err).__name__}): {err}") from err
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def vllm_commands(out: str | os.PathLike, strategy: str) -> list[str]:
     """How to serve the exported directory with vLLM (fp8 KV cache with the exported scales)."""
     backend = " (per-head scales need the FlashAttention backend)" if strategy == "attn_head" else ""
@@ -260,7 +253,7 @@ def export_vllm(model: str | os.PathLike, calibration, out: str | os.PathLike,
             shutil.copymode(model_dir / _SINGLE, tmp / _SINGLE)
         (tmp / "config.json").write_text(json.dumps(raw_config, indent=2, sort_keys=True) + "\n")
         provenance = {
-            "calibration": data.path, "calibration_sha256": _sha256(Path(data.path)) if data.path else None,
+            "calibration": data.path, "calibration_sha256": file_sha256(Path(data.path)) if data.path else None,
             "calibration_settings": data.settings, "model": str(model), "strategy": options.strategy,
             "headroom": options.headroom, "fp8": "e4m3 (float8_e4m3fn), largest finite value 448",
             "scale": "headroom * absmax / 448, keys after RoPE",

@@ -37,6 +37,7 @@ __all__ = [
     "MODELS",
     "MARKER_FILE",
     "default_cache_dir",
+    "file_sha256",
     "is_converted",
     "resolve_model",
     "load_model",
@@ -109,7 +110,7 @@ def is_converted(path: str | os.PathLike) -> bool:
         return False
 
 
-def _sha256_file(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -288,7 +289,7 @@ def _convert(name: str, target: Path) -> None:
                 "origin": source.origin,
                 "source_file": source.filename,
                 "source_package": source.module,
-                "source_sha256": _sha256_file(gguf_path),
+                "source_sha256": file_sha256(gguf_path),
                 "transformers_version": transformers_version,
                 "dtype": "float32",
                 "config_fixups": fixups,

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,18 +20,11 @@ import shutil
 from pathlib import Path
 
 from ..hub import CALIBRATION_FILENAME, CARD_FILENAME, is_offline, looks_like_repo_id
+from .models import file_sha256
 
 __all__ = ["model_card", "save_folder", "push_to_hub"]
 
 logger = logging.getLogger(__name__)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _base_model(name: str | None) -> str | None:
@@ -133,7 +125,7 @@ def save_folder(calibration: str | os.PathLike, out_dir: str | os.PathLike, qual
     target = out / CALIBRATION_FILENAME
     if Path(data.path).resolve() != target.resolve():
         shutil.copyfile(data.path, target)
-    (out / CARD_FILENAME).write_text(model_card(data, _sha256(target), repo_id, quality))
+    (out / CARD_FILENAME).write_text(model_card(data, file_sha256(target), repo_id, quality))
     logger.info("wrote %s and %s", target, out / CARD_FILENAME)
     return out
 

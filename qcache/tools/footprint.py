@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["reachable_tensors", "reachable_bytes", "bits_per_value"]
+__all__ = ["tensors_reachable", "reachable_tensors", "reachable_bytes", "bits_per_value"]
 
 # objects never walked into: they hold no per-cache state (and some, like modules' classes, hold a lot of globals)
 _LEAF_TYPES = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType,
@@ -62,10 +62,9 @@ def _tensor_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def reachable_tensors(obj) -> dict[tuple, int]:
-    """{storage key: bytes} for every distinct tensor storage reachable from `obj`."""
+def tensors_reachable(obj) -> Iterator[torch.Tensor]:
+    """Every tensor object reachable from `obj` (attributes, slots, dicts, sequences, dataclasses), each once."""
     seen_objects: set[int] = set()
-    storages: dict[tuple, int] = {}
     stack = [obj]
     while stack:
         item = stack.pop()
@@ -73,15 +72,22 @@ def reachable_tensors(obj) -> dict[tuple, int]:
             continue
         seen_objects.add(id(item))
         if isinstance(item, torch.Tensor):
-            for part in _tensor_parts(item):
-                if part.device.type == "meta":
-                    continue
-                storage = part.untyped_storage()
-                key = (part.device.type, part.device.index, storage.data_ptr(), id(storage) if storage.data_ptr() == 0
-                       else 0)
-                storages[key] = max(storages.get(key, 0), storage.nbytes())
+            yield item
             continue
         stack.extend(_children(item))
+
+
+def reachable_tensors(obj) -> dict[tuple, int]:
+    """{storage key: bytes} for every distinct tensor storage reachable from `obj`."""
+    storages: dict[tuple, int] = {}
+    for tensor in tensors_reachable(obj):
+        for part in _tensor_parts(tensor):
+            if part.device.type == "meta":
+                continue
+            storage = part.untyped_storage()
+            key = (part.device.type, part.device.index, storage.data_ptr(), id(storage) if storage.data_ptr() == 0
+                   else 0)
+            storages[key] = max(storages.get(key, 0), storage.nbytes())
     return storages
 
 
