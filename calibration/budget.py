@@ -41,10 +41,10 @@ from tqdm.auto import tqdm
 from qcache.config import QuantCacheConfig
 
 __all__ = ["measure_sensitivities", "choose_rotate", "KEY_CHOICES", "reference_logprobs", "allocate",
-           "plan_bits_per_value", "needle_floors", "WIDTHS", "FLOOR_WIDTHS"]
+           "plan_bits_per_value", "needle_floors", "PLAN_BITS", "FLOOR_BITS"]
 
-WIDTHS = (2, 3, 4)
-FLOOR_WIDTHS = WIDTHS + (8,)  # a needle floor may ask for 8 bits
+PLAN_BITS = (2, 3, 4)
+FLOOR_BITS = PLAN_BITS + (8,)  # a needle floor may ask for 8 bits
 _BASE = 8  # every other layer's width while one (layer, stream) is measured
 
 
@@ -116,7 +116,7 @@ def choose_rotate(model, input_ids: torch.Tensor, options: QuantCacheConfig, chu
 
 @torch.no_grad()
 def measure_sensitivities(model, input_ids: torch.Tensor, options: QuantCacheConfig, quantized: list[int],
-                          widths: tuple[int, ...] = WIDTHS, chunk: int = 256, progress: bool = True,
+                          widths: tuple[int, ...] = PLAN_BITS, chunk: int = 256, progress: bool = True,
                           reference: list[torch.Tensor] | None = None
                           ) -> tuple[dict[tuple[int, str, int], float], float]:
     """{(layer, "k"|"v", width): sensitivity} for every layer in `quantized` (see the module docstring), and the KL
@@ -168,8 +168,8 @@ def needle_floors(model, tokenizer, text: str, options: QuantCacheConfig, quanti
     floors, losses = {}, {}
     for layer, stream in tqdm([(la, st) for la in quantized for st in ("k", "v")], desc="needle floors",
                               disable=not progress):
-        floors[(layer, stream)] = FLOOR_WIDTHS[-1]
-        for w in WIDTHS:
+        floors[(layer, stream)] = FLOOR_BITS[-1]
+        for w in PLAN_BITS:
             pairs = list(base_pairs)
             pairs[layer] = (w, _BASE) if stream == "k" else (_BASE, w)
             losses[(layer, stream, w)] = loss = max(base - answer_logprob(pairs), 0.0)
@@ -190,7 +190,7 @@ def plan_bits_per_value(options: QuantCacheConfig, pairs, quantized: list[int], 
 
 def allocate(sensitivities: dict[tuple[int, str, int], float], options: QuantCacheConfig, budget: float,
              num_layers: int, quantized: list[int], kv_heads: int, head_dim: int, context: int,
-             widths: tuple[int, ...] = WIDTHS, floors: dict[tuple[int, str], int] | None = None
+             widths: tuple[int, ...] = PLAN_BITS, floors: dict[tuple[int, str], int] | None = None
              ) -> tuple[tuple[int, int], ...]:
     """One (k_bits, v_bits) per layer within `budget` bits/value (see the module docstring); layers not in
     `quantized` (kept native) get the narrowest pair. `floors` ({(layer, "k"|"v"): width}, `needle_floors`): the

@@ -52,7 +52,7 @@ from qcache.config import SUPPORTED_BITS
 from .options import MODEL_DTYPES, check_positive_int, model_dtype
 
 __all__ = [
-    "WIDTHS",
+    "DOCTOR_BITS",
     "ATTENTION_IMPLEMENTATIONS",
     "ACCUMULATION",
     "DoctorSettings",
@@ -71,7 +71,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-WIDTHS = tuple(sorted(SUPPORTED_BITS, reverse=True))  # (8, 4, 3, 2)
+DOCTOR_BITS = tuple(sorted(SUPPORTED_BITS, reverse=True))  # (8, 4, 3, 2)
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "qcache_fp32")
 # a running sum of equal terms rounded to the dtype after each addition stops growing at 2**(significant bits) terms
 _STALL_TERMS = {torch.bfloat16: 256, torch.float16: 2048}
@@ -116,7 +116,7 @@ class DoctorSettings:
     """
 
     context: int
-    bits: tuple[int, ...] = WIDTHS
+    bits: tuple[int, ...] = DOCTOR_BITS
     budget_gib: float | None = None
     docs: int = 2
     needles: int = 30
@@ -130,10 +130,10 @@ class DoctorSettings:
         for name in ("context", "docs", "needles", "chunk", "bootstrap"):
             check_positive_int(name, getattr(self, name))
         if not self.bits:
-            raise ValueError(f"bits=() measures nothing; allowed values: {list(WIDTHS)}")
+            raise ValueError(f"bits=() measures nothing; allowed values: {list(DOCTOR_BITS)}")
         for b in self.bits:
-            if b not in WIDTHS:
-                raise ValueError(f"bits={b!r} is not supported; allowed values: {list(WIDTHS)}")
+            if b not in DOCTOR_BITS:
+                raise ValueError(f"bits={b!r} is not supported; allowed values: {list(DOCTOR_BITS)}")
         if len(set(self.bits)) != len(self.bits):
             raise ValueError(f"bits={list(self.bits)} repeats a width")
         if self.budget_gib is not None and (isinstance(self.budget_gib, bool) or not isinstance(
@@ -629,7 +629,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None,
                    help="N, the context measured, in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--budget-gib", type=float, default=None, help="KV-cache memory budget in GiB (optional)")
-    p.add_argument("--bits", type=int, nargs="+", choices=WIDTHS, default=list(WIDTHS),
+    p.add_argument("--bits", type=int, nargs="+", choices=DOCTOR_BITS, default=list(DOCTOR_BITS),
                    help="QuantCache widths to measure (default: 8 4 3 2)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smaller run: {QUICK['docs']} document, {QUICK['needles']} needles, {QUICK['bootstrap']} "

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .quant import (
-    code_planes, dequantize, pack, quantize, quantize_grouped, scatter_outliers, select_outliers, unpack,
+    code_planes, dequantize, pack, quantize, quantize_grouped, scatter_outliers, select_outliers, unpack, width,
 )
 from .store import Part
 
@@ -99,7 +99,7 @@ class KeyCodec(_GroupCodec):
     per channel for every token: no per-block metadata and no full-precision block to wait for).
 
     Args:
-        bits: 2, 3, 4 or 8.
+        bits: a width of `qcache.quant.WIDTHS`.
         group: tokens per block (1 for static ranges).
         scale_dtype: dtype of scales and zeros.
         outliers: per group, this many values farthest from the group's median are kept exactly (cache dtype value +
@@ -120,7 +120,7 @@ class KeyCodec(_GroupCodec):
 
     def parts(self, head_dim: int, dtype: torch.dtype) -> list[Part]:
         """The tensors this codec stores for `head_dim` channels in a cache of `dtype`."""
-        parts = [Part(self._name("codes"), "token", (head_dim * self.bits // 8,), torch.uint8, "packed")]
+        parts = [Part(self._name("codes"), "token", (width(self.bits).packed_bytes(head_dim),), torch.uint8, "packed")]
         if not self.static:
             parts += [Part(self._name("scale"), "block", (head_dim,), self.scale_dtype, "scales"),
                       Part(self._name("zero"), "block", (head_dim,), self.scale_dtype, "scales")]
@@ -208,9 +208,9 @@ class ValueCodec(_GroupCodec):
             if self.group != head_dim:
                 raise ValueError(f"ValueCodec(norm=True) scales whole heads: group must equal head_dim={head_dim}, "
                                  f"got {self.group}")
-            return [Part(self._name("codes"), ax, (head_dim * self.bits // 8,), torch.uint8, "packed"),
+            return [Part(self._name("codes"), ax, (width(self.bits).packed_bytes(head_dim),), torch.uint8, "packed"),
                     Part(self._name("scale"), ax, (1,), self.scale_dtype, "scales")]
-        parts = [Part(self._name("codes"), ax, (head_dim * self.bits // 8,), torch.uint8, "packed"),
+        parts = [Part(self._name("codes"), ax, (width(self.bits).packed_bytes(head_dim),), torch.uint8, "packed"),
                  Part(self._name("scale"), ax, (ng,), self.scale_dtype, "scales"),
                  Part(self._name("zero"), ax, (ng,), self.scale_dtype, "scales")]
         if self.outliers:

@@ -30,7 +30,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+from .quant import SUPPORTED_BITS  # the rows of qcache.quant.WIDTHS
 SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
 SLIDING_MODES = ("native", "quantized", "tokens")
 ROPE_MODES = ("pre", "post")

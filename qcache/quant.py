@@ -23,27 +23,29 @@ Conventions
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from .config import SUPPORTED_BITS
+import torch
 
 __all__ = [
     "SUPPORTED_BITS",
-    "PACKERS",
-    "UNPACKERS",
+    "WIDTHS",
+    "Width",
+    "width",
     "pack",
     "unpack",
     "code_planes",
     "select_outliers",
     "scatter_outliers",
     "pack_2bit_u8",
-    "unpack_2bit_u8",
+    "planes_2bit_u8",
     "pack_3bit_u8",
-    "unpack_3bit_u8",
+    "planes_3bit_u8",
     "pack_4bit_u8",
-    "unpack_4bit_u8",
+    "planes_4bit_u8",
     "pack_8bit_u8",
-    "unpack_8bit_u8",
+    "planes_8bit_u8",
     "choose_qparams",
     "quantize",
     "dequantize",
@@ -76,17 +78,8 @@ def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def code_planes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """uint8 codes of packed [..., n*bits/8] as an even number of equal channel slices [..., w] (in channel order):
-    4 bits: (low nibbles, high nibbles) = channels [0, n/2) and [n/2, n); 2 bits: 4 slices; 3 bits: 8 slices (the
-    3-byte words); 8 bits: the two halves. `unpack` concatenates them; the reads in qcache/kernels.py use them as
-    they are."""
-    if bits == 8:
-        return _planes(packed, 2)
-    if bits == 3:
-        b0, b1, b2 = (p.to(torch.int32) for p in _planes(packed, 3))
-        word = b0 | (b1 << 8) | (b2 << 16)  # [..., m]
-        return [((word >> (3 * i)) & 7).to(torch.uint8) for i in range(8)]
+def _nibble_planes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """b in (2, 4): the 8 / b planes of packed bytes, lowest bits first."""
     mask = (1 << bits) - 1
     return [(packed >> (bits * i)) & mask for i in range(8 // bits)]
 
@@ -96,9 +89,9 @@ def pack_2bit_u8(codes: torch.Tensor) -> torch.Tensor:
     return _pack_planes(codes, 2)
 
 
-def unpack_2bit_u8(packed: torch.Tensor) -> torch.Tensor:
-    """[..., m] uint8 -> [..., 4m] uint8 codes."""
-    return torch.cat(code_planes(packed, 2), dim=-1)
+def planes_2bit_u8(packed: torch.Tensor) -> list[torch.Tensor]:
+    """[..., m] uint8 -> 4 planes [..., m] of codes (channels [0, m), [m, 2m), ...)."""
+    return _nibble_planes(packed, 2)
 
 
 def pack_3bit_u8(codes: torch.Tensor) -> torch.Tensor:
@@ -111,9 +104,11 @@ def pack_3bit_u8(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([((word >> s) & 0xFF).to(torch.uint8) for s in (0, 8, 16)], dim=-1)
 
 
-def unpack_3bit_u8(packed: torch.Tensor) -> torch.Tensor:
-    """[..., 3m] uint8 -> [..., 8m] uint8 codes."""
-    return torch.cat(code_planes(packed, 3), dim=-1)
+def planes_3bit_u8(packed: torch.Tensor) -> list[torch.Tensor]:
+    """[..., 3m] uint8 -> the 8 planes [..., m] of the 24-bit words."""
+    b0, b1, b2 = (p.to(torch.int32) for p in _planes(packed, 3))
+    word = b0 | (b1 << 8) | (b2 << 16)  # [..., m]
+    return [((word >> (3 * i)) & 7).to(torch.uint8) for i in range(8)]
 
 
 def pack_4bit_u8(codes: torch.Tensor) -> torch.Tensor:
@@ -121,9 +116,9 @@ def pack_4bit_u8(codes: torch.Tensor) -> torch.Tensor:
     return _pack_planes(codes, 4)
 
 
-def unpack_4bit_u8(packed: torch.Tensor) -> torch.Tensor:
-    """[..., m] uint8 -> [..., 2m] uint8 codes."""
-    return torch.cat(code_planes(packed, 4), dim=-1)
+def planes_4bit_u8(packed: torch.Tensor) -> list[torch.Tensor]:
+    """[..., m] uint8 -> (low nibbles, high nibbles): channels [0, m) and [m, 2m)."""
+    return _nibble_planes(packed, 4)
 
 
 def pack_8bit_u8(codes: torch.Tensor) -> torch.Tensor:
@@ -131,29 +126,67 @@ def pack_8bit_u8(codes: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.uint8)
 
 
-def unpack_8bit_u8(packed: torch.Tensor) -> torch.Tensor:
-    return packed
+def planes_8bit_u8(packed: torch.Tensor) -> list[torch.Tensor]:
+    """[..., n] uint8 -> its two halves (an even number of planes, like every other width)."""
+    return _planes(packed, 2)
 
 
-PACKERS = {2: pack_2bit_u8, 3: pack_3bit_u8, 4: pack_4bit_u8, 8: pack_8bit_u8}
-UNPACKERS = {2: unpack_2bit_u8, 3: unpack_3bit_u8, 4: unpack_4bit_u8, 8: unpack_8bit_u8}
+@dataclass(frozen=True)
+class Width:
+    """One bit width as a table row: how its codes pack and unpack (the module docstring's table).
+
+    Args:
+        bits: bits per code.
+        codes_per_unit: codes per packed unit (the last dimension must be a multiple of it).
+        bytes_per_unit: bytes per packed unit.
+        pack: [..., n] uint8 codes -> [..., n * bits / 8] uint8.
+        planes: packed -> an even number of equal channel slices of codes, in channel order (`code_planes`).
+    """
+
+    bits: int
+    codes_per_unit: int
+    bytes_per_unit: int
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    planes: Callable[[torch.Tensor], list[torch.Tensor]]
+
+    def packed_bytes(self, n: int) -> int:
+        """Bytes that `n` codes pack into (n a multiple of `codes_per_unit`)."""
+        return n // self.codes_per_unit * self.bytes_per_unit
 
 
-def _check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
+WIDTHS: dict[int, Width] = {w.bits: w for w in (
+    Width(2, 4, 1, pack_2bit_u8, planes_2bit_u8),
+    Width(3, 8, 3, pack_3bit_u8, planes_3bit_u8),
+    Width(4, 2, 1, pack_4bit_u8, planes_4bit_u8),
+    Width(8, 1, 1, pack_8bit_u8, planes_8bit_u8),
+)}
+SUPPORTED_BITS = tuple(WIDTHS)  # (2, 3, 4, 8)
+
+
+def width(bits: int) -> Width:
+    """The row of `bits`; raises naming the allowed widths."""
+    row = WIDTHS.get(bits)
+    if row is None:
         raise ValueError(f"bits={bits!r} is not supported; allowed values: {list(SUPPORTED_BITS)}")
+    return row
+
+
+def code_planes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """uint8 codes of packed [..., n*bits/8] as an even number of equal channel slices [..., w] (in channel order):
+    4 bits: (low nibbles, high nibbles) = channels [0, n/2) and [n/2, n); 2 bits: 4 slices; 3 bits: 8 slices (the
+    3-byte words); 8 bits: the two halves. `unpack` concatenates them; the reads in qcache/kernels.py use them as
+    they are."""
+    return width(bits).planes(packed)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes along the last dimension."""
-    _check_bits(bits)
-    return PACKERS[bits](codes)
+    return width(bits).pack(codes)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack`."""
-    _check_bits(bits)
-    return UNPACKERS[bits](packed)
+    return torch.cat(width(bits).planes(packed), dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,7 +206,7 @@ def choose_qparams(
     x_min: torch.Tensor, x_max: torch.Tensor, bits: int, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero (in `scale_dtype`) such that [x_min, x_max] fits in `2**bits` steps after rounding."""
-    _check_bits(bits)
+    width(bits)  # raises for a width without a row
     qmax = 2**bits - 1
     x_min = x_min.float()
     x_max = torch.maximum(x_max.float(), x_min)
@@ -278,7 +311,7 @@ def quantize_grouped(
     Returns:
         codes (uint8, shape of x), scale and zero (shape of x with `dim` of size n/group_size).
     """
-    _check_bits(bits)
+    width(bits)  # raises for a width without a row
     xg, gdim = _grouped_view(x.float(), group_size, dim)
     if mask is None:
         x_min = xg.amin(gdim)

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from qcache.quant import (
-    PACKERS,
     SUPPORTED_BITS,
-    UNPACKERS,
+    WIDTHS,
     choose_qparams,
     dequantize,
     dequantize_grouped,
@@ -33,8 +32,21 @@ def test_pack_extremes(bits):
     assert torch.equal(unpack(pack(codes, bits), bits), codes)
 
 
-def test_tables_cover_supported_bits():
-    assert set(PACKERS) == set(UNPACKERS) == set(SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_width_row_states_its_packing(bits):
+    """A width's row is the whole truth about it: the bytes pack() writes, and planes that unpack() concatenates."""
+    row = WIDTHS[bits]
+    n = 8 * row.codes_per_unit
+    codes = torch.randint(0, 2**bits, (3, n), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = row.pack(codes)
+    assert packed.shape[-1] == row.packed_bytes(n) == n * bits // 8
+    planes = row.planes(packed)
+    assert len(planes) % 2 == 0 and len({p.shape for p in planes}) == 1  # equal slices, RoPE pairs line up
+    assert torch.equal(torch.cat(planes, dim=-1), codes)
+
+
+def test_supported_bits_are_the_rows():
+    assert SUPPORTED_BITS == tuple(WIDTHS) == (2, 3, 4, 8)
 
 
 @pytest.mark.parametrize("bits", [1, 5, 16])
