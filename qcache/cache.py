@@ -38,23 +38,22 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from . import kernels
+from . import kernels, layout
 from ._compat import binding_context, check_transformers
 from .attention import ATTN_IMPLEMENTATION as FUSED_ATTENTION  # the attention that can read codes itself
 from .calibfile import CalibrationData, load_calibration, model_fingerprint
-from .codec import KeyCodec, ValueCodec
-from .config import CLIP_RATIOS, QuantCacheConfig
+from .codec import ValueCodec
+from .config import QuantCacheConfig
 from .kernels import Quantized
 from .levels import gaussian_levels_tensor, levels_tensor
 from .rotation import SharedRotation
 from .rope import RopeHelper, modeling_module_of
-from .store import PackedStore, Part
+from .store import PackedStore
 
 __all__ = ["QuantCache", "QuantLayer", "CacheMemory", "model_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
-_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _CALIBRATION_TENSORS = ("k_codebook", "v_codebook", "k_static_zero", "k_static_scale")  # what a cache uses
 
 
@@ -163,16 +162,7 @@ class QuantLayer(CacheLayerMixin):
         self.consts = {"k": k_consts, "v": v_consts}
         self._rotation = rotation
         self._owns_rotation = False
-        scale_dtype = _SCALE_DTYPES[cfg.scale_dtype]
-        clip = CLIP_RATIOS if cfg.clip_search else (1.0,)
-        self.k_codec = KeyCodec(bits=cfg.k_bits, group=1 if cfg.static_keys else cfg.k_group_size,
-                                scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
-                                codebook=k_consts["codebook"] is not None, static=cfg.static_keys,
-                                rotation=cfg.rotation != "none" and "k" in cfg.rotate)
-        self._v_codec_args = dict(bits=cfg.v_bits, scale_dtype=scale_dtype, outliers=cfg.outliers, clip_ratios=clip,
-                                  codebook=(v_consts["codebook"] is not None or cfg.levels == "lloyd-max"
-                                            or cfg.v_scale == "norm"),
-                                  rotation=cfg.rotation != "none" and "v" in cfg.rotate, norm=cfg.v_scale == "norm")
+        self.k_codec = layout.key_codec(cfg, codebook=k_consts["codebook"] is not None)
         self.v_codec: ValueCodec | None = None  # its group depends on head_dim: built at the first update
         self.layer_idx = layer_idx
         self.rope = rope
@@ -221,8 +211,8 @@ class QuantLayer(CacheLayerMixin):
                            self.layer_idx)
             self.choose_key_rotation(None)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.v_codec = ValueCodec(group=self.cfg.value_group_size(D), **self._v_codec_args)
-        if self.window_only:  # its tokens have codecs of their own (`_token_codecs`)
+        self.v_codec = layout.value_codec(self.cfg, D, calibrated_levels=self.consts["v"]["codebook"] is not None)
+        if self.window_only:  # its tokens have codecs of their own (`layout.token_codecs`)
             pass
         elif self.cfg.v_scale == "norm":
             self.consts["v"]["codebook"] = gaussian_levels_tensor(self.cfg.v_bits)
@@ -237,18 +227,13 @@ class QuantLayer(CacheLayerMixin):
             for stream in self.cfg.rotate:  # "k" and/or "v"
                 self.consts[stream]["rotation"] = self._rotation.on(self.device)
         self.kernel = kernels.resolve_kernel(self.cfg.kernel, self.device)  # "eager" or "compiled"
-        full = [Part(name, "sink", (D,), self.dtype, "full_precision") for name in ("sink_k", "sink_v")]
-        if self.window_only or self.cfg.window_bits == 8:
-            # a window-only layer: every token of the window on its own, at this layer's widths; else the residual
-            # 8-bit per token (min-max, a scale/zero per token and head)
-            widths = (self.cfg.k_bits, self.cfg.v_bits) if self.window_only else (8, 8)
-            self.window_codecs, self.window_consts = self._token_codecs(D, widths)
-            full += [part for codec in self.window_codecs for part in codec.parts(D, self.dtype)]
-        else:
-            self.window_codecs = self.window_consts = None
-            full += [Part(name, "residual", (D,), self.dtype, "full_precision") for name in ("res_k", "res_v")]
+        # a window-only layer: every token of the window on its own, at this layer's widths; else the residual
+        # 8-bit per token (min-max, a scale/zero per token and head) or as attention gave it
+        self.window_codecs = layout.window_codecs(self.cfg, D, self.window_only)
+        self.window_consts = None if self.window_codecs is None else self._token_consts(self.window_codecs)
         G = self.k_codec.group
-        self.store = PackedStore(self.k_codec.parts(D, self.dtype) + self.v_codec.parts(D, self.dtype) + full, B, H,
+        parts = layout.layer_parts(self.k_codec, self.v_codec, self.window_codecs, D, self.dtype)
+        self.store = PackedStore(parts, B, H,
                                  self.device, min_grow={"token": max(G, 16), "block": 1,
                                                         "sink": max(self.sink_tokens, 1), "residual": G},
                                  # between two flushes the residual holds at most the recent window + one block
@@ -261,24 +246,11 @@ class QuantLayer(CacheLayerMixin):
                     consts[name] = t.to(self.device)
         self.is_initialized = True
 
-    def _token_codecs(self, D: int, widths: tuple[int, int]) -> tuple[tuple[ValueCodec, ValueCodec], tuple[dict, dict]]:
-        """Codecs (and their constants) of residual key and value tokens at `widths` (k, v): per token and head, in
-        the form `QuantCacheConfig.token_form` names for each width."""
-        codecs, consts = [], []
-        scale_dtype = _SCALE_DTYPES[self.cfg.scale_dtype]
-        for prefix, bits in zip(("wk_", "wv_"), widths):
-            form = self.cfg.token_form(bits)
-            if form == "norm":
-                codecs.append(ValueCodec(bits=bits, group=D, scale_dtype=scale_dtype, codebook=True, rotation=True,
-                                         norm=True, prefix=prefix, axis="residual"))
-                consts.append({"rotation": self._rotation.on(self.device),
-                               "codebook": gaussian_levels_tensor(bits).to(self.device)})
-            else:
-                group = D if form == "minmax8" else self.cfg.token_group_size(D)
-                codecs.append(ValueCodec(bits=bits, group=group, scale_dtype=scale_dtype, prefix=prefix,
-                                         axis="residual"))
-                consts.append({})
-        return tuple(codecs), tuple(consts)
+    def _token_consts(self, codecs: tuple[ValueCodec, ValueCodec]) -> tuple[dict, dict]:
+        """The constants of residual token codecs: the rotation and Gaussian levels of the "norm" form."""
+        return tuple({"rotation": self._rotation.on(self.device),
+                      "codebook": gaussian_levels_tensor(codec.bits).to(self.device)} if codec.norm else {}
+                     for codec in codecs)
 
     @property
     def quantized_length(self) -> int:

@@ -44,7 +44,6 @@ from .store import Part
 
 __all__ = ["KeyCodec", "ValueCodec"]
 
-_SCALE_BYTES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
 # ValueCodec(norm=True): rounds of (codes for the scale, least-squares scale for the codes), each no worse than the
 # last. Measured relative squared error at 2 bits over 1, 2, 3, 4 rounds: Gaussian tokens 0.112, 0.111, 0.111, 0.111;
 # tokens with one channel x 15 (rotated: two clusters, not a Gaussian) 0.116, 0.092, 0.083, 0.081.
@@ -65,6 +64,12 @@ class _GroupCodec:
 
     def _name(self, part: str) -> str:
         return self.prefix + part
+
+    def bits_per_value(self, head_dim: int, fp_bytes: int = 2) -> float:
+        """Stored bits per value, from the declared parts: a token's own entries plus its share of its block's."""
+        dtype = {2: torch.float16, 4: torch.float32}[fp_bytes]
+        share = {"token": 1.0, "residual": 1.0, "block": 1.0 / self.group}
+        return sum(p.entry_bytes * share[p.axis] for p in self.parts(head_dim, dtype)) * 8 / head_dim
 
     def _levels(self, consts: dict) -> torch.Tensor | None:
         if not self.codebook:
@@ -128,11 +133,6 @@ class KeyCodec(_GroupCodec):
             parts += [Part(self._name("out_idx"), "block", (self.outliers, head_dim), torch.uint8, "outliers"),
                       Part(self._name("out_val"), "block", (self.outliers, head_dim), dtype, "outliers")]
         return parts
-
-    def bits_per_value(self, head_dim: int, fp_bytes: int = 2) -> float:
-        """Stored bits per key value: the code plus its block's scale/zero and outliers, amortized."""
-        meta = 0 if self.static else 2 * _SCALE_BYTES[self.scale_dtype] * 8 / self.group
-        return self.bits + meta + self.outliers * (fp_bytes + 1) * 8 / self.group
 
     def encode(self, k: torch.Tensor, consts: dict, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Parts for pre-RoPE keys k [B, H, n, D] (n a multiple of `group`); `valid` [B, 1, n, 1] bool keeps padding
@@ -217,12 +217,6 @@ class ValueCodec(_GroupCodec):
             parts += [Part(self._name("out_idx"), ax, (ng, self.outliers), torch.uint8, "outliers"),
                       Part(self._name("out_val"), ax, (ng, self.outliers), dtype, "outliers")]
         return parts
-
-    def bits_per_value(self, head_dim: int, fp_bytes: int = 2) -> float:
-        """Stored bits per value: the code plus its group's scale/zero and outliers, amortized."""
-        if self.norm:
-            return self.bits + _SCALE_BYTES[self.scale_dtype] * 8 / self.group
-        return self.bits + (2 * _SCALE_BYTES[self.scale_dtype] * 8 + self.outliers * (fp_bytes + 1) * 8) / self.group
 
     def encode(self, v: torch.Tensor, consts: dict, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Parts for values v [B, H, n, D]. (`valid` is accepted for symmetry: padding tokens are groups of their

@@ -30,12 +30,13 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from . import layout
+from .layout import CLIP_RATIOS  # tried per group with clip_search=True
 from .quant import SUPPORTED_BITS  # the rows of qcache.quant.WIDTHS
 SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
 SLIDING_MODES = ("native", "quantized", "tokens")
 ROPE_MODES = ("pre", "post")
 KERNELS = ("auto", "eager", "compiled")
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 ROTATIONS = ("none", "hadamard")  # qcache/rotation.py
 LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
 ROTATE = ("auto", "kv", "k", "v")  # which of keys and values a rotation applies to ("auto": qcache/keyrot.py)
@@ -44,7 +45,7 @@ WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
 # options whose default (None) follows from the others (QuantCacheConfig._resolve_defaults), in resolution order
 AUTO_OPTIONS = ("rotation", "rotate", "v_scale", "levels", "codebooks", "window_bits")
 
-__all__ = ["QuantCacheConfig", "format_layer_bits", "parse_layer_bits", "SUPPORTED_BITS", "SCALE_DTYPES",
+__all__ = ["QuantCacheConfig", "format_layer_bits", "parse_layer_bits", "SUPPORTED_BITS", "CLIP_RATIOS", "SCALE_DTYPES",
            "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS", "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
 
 
@@ -381,14 +382,8 @@ class QuantCacheConfig:
         return "norm" if self.rotation != "none" else "minmax"
 
     def token_bytes(self, head_dim: int) -> float:
-        """Bytes per token and head of a window-only sliding layer's key and value together."""
-        sb = SCALE_DTYPES[self.scale_dtype]
-        total = 0.0
-        for bits in (self.k_bits, self.v_bits):
-            form = self.token_form(bits)
-            groups = 1 if form != "minmax" else head_dim // self.token_group_size(head_dim)
-            total += head_dim * bits / 8 + groups * (1 if form == "norm" else 2) * sb
-        return total
+        """Bytes per token and head of a window-only sliding layer's key and value together (qcache/layout.py)."""
+        return layout.held_bytes(self, head_dim, 1, window_only=True)
 
     def token_group_size(self, head_dim: int) -> int:
         """Channels per scale/zero of an unrotated window-only token below 8 bits (`v_group_size`, or the largest
@@ -454,26 +449,16 @@ class QuantCacheConfig:
         return cls.from_dict({**merged, **overrides})
 
     def full_precision_tokens(self, num_tokens: int) -> int:
-        """Tokens of a `num_tokens`-long sequence that this layout keeps in full precision (worst case of the
-        per-channel block being filled)."""
-        sinks = min(self.sink_tokens, num_tokens)
-        rest = max(num_tokens - sinks - self.recent_tokens, 0)
-        block = 1 if self.static_keys else self.k_group_size
-        return num_tokens - rest // block * block
-
-    def _fp_bytes(self, num_tokens: int, head_dim: int, fp_bytes: int) -> float:
-        """Bytes per head of the sinks and the residual (K and V) at the end of `num_tokens` tokens."""
-        fp = self.full_precision_tokens(num_tokens)
-        if self.window_bits == 16:
-            return fp * head_dim * 2 * fp_bytes
-        sinks = min(self.sink_tokens, num_tokens)
-        per_token = head_dim + 2 * SCALE_DTYPES[self.scale_dtype]  # 8-bit codes + scale and zero
-        return sinks * head_dim * 2 * fp_bytes + (fp - sinks) * per_token * 2
+        """Tokens of a `num_tokens`-long sequence that this layout keeps unquantized in blocks: the sinks and the
+        residual (worst case of the per-channel block being filled)."""
+        counts = layout.entries(self, num_tokens)
+        return counts["sink"] + counts["residual"]
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
                         fp_bytes: int = 2) -> float:
-        """Expected bytes held per token (one batch row), averaged over `num_tokens`, all layers: packed data +
-        scales/zeros + outliers + full-precision tokens + the int64 first position kept per row. Matches what
+        """Expected bytes held per token (one batch row), averaged over `num_tokens`, all layers: the parts a layer's
+        codecs declare (packed data, scales/zeros, outliers, sinks and the residual; qcache/layout.py) times their
+        entries at `num_tokens`, plus the int64 first position kept per row. Matches what
         `QuantCache.memory()` counts, less its preallocated-but-unused capacity (`reserved`), the RoPE helper's
         few KB (`rope`) and the per-cache constants (`codebooks`, `rotation`). With `layer_bits`: the mean over its
         layers, times `num_layers`."""
@@ -482,19 +467,6 @@ class QuantCacheConfig:
             per_layer = [self.for_layer(i).bytes_per_token(1, num_kv_heads, head_dim, num_tokens, fp_bytes)
                          for i in range(len(self.layer_bits))]
             return num_layers * sum(per_layer) / len(per_layer)
-        sb = SCALE_DTYPES[self.scale_dtype]
-        fp = self.full_precision_tokens(num_tokens)
-        q = num_tokens - fp
-        per_head = (
-            q * head_dim * (self.k_bits + self.v_bits) / 8  # packed codes
-            + (0 if self.static_keys else q // self.k_group_size) * head_dim * 2 * sb  # key scale+zero per block
-            # value scale+zero per token per group ("norm": one scale per token)
-            + q * (head_dim // self.value_group_size(head_dim)) * (1 if self.v_scale == "norm" else 2) * sb
-            # outliers: a value in the cache dtype + a 1-byte offset each, per key channel per block and per value
-            # group per token
-            + self.outliers * (q // self.k_group_size * head_dim + q * (head_dim // self.value_group_size(head_dim)))
-            * (fp_bytes + 1)
-            + self._fp_bytes(num_tokens, head_dim, fp_bytes)  # sinks and the residual window, K and V
-        )
+        per_head = layout.held_bytes(self, head_dim, num_tokens, fp_bytes)  # the parts the layer's codecs declare
         positions = 8  # int64 position of the row's first token (per batch row, per layer)
         return num_layers * (num_kv_heads * per_head + positions) / num_tokens

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -62,6 +63,11 @@ class Part:
     shape: tuple[int, ...]
     dtype: torch.dtype
     category: str
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one entry along the axis, per batch row and head."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def __post_init__(self) -> None:
         if self.axis not in AXES:

@@ -1,0 +1,114 @@
+"""What one cache layer holds, from the parts its codecs declare.
+
+`QuantLayer` builds its codecs here (`key_codec`, `value_codec`, `token_codecs`) and its store from `layer_parts`;
+the bytes a layer holds at a context are those parts times how many entries each axis has then (`entries`). So
+`QuantCacheConfig.bytes_per_token` (what `python -m qcache.size` and the per-layer budget read) and the store that
+`cache.memory()` measures count the same declared tensors: there is no second formula to keep in step.
+
+    axis       entries at the end of N tokens (a full-attention layer; S sinks, R recent tokens, G tokens per block)
+    sink       min(S, N)
+    token      q = (N - sinks - R) rounded down to whole blocks (0 if negative)
+    block      q / G (no block parts with static key ranges)
+    residual   N - sinks - q: the block being filled and the recent window (full precision, or 8-bit tokens)
+
+A window-only sliding layer (`QuantCacheConfig.holds_window_only`) keeps every token of its window in the residual,
+each quantized on its own by `token_codecs`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codec import KeyCodec, ValueCodec
+from .store import Part
+
+__all__ = ["key_codec", "value_codec", "token_codecs", "layer_parts", "entries", "held_bytes", "CLIP_RATIOS"]
+
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
+_FP_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32}  # a stand-in dtype of the cache's element size
+
+
+def _scale_dtype(cfg) -> torch.dtype:
+    return getattr(torch, cfg.scale_dtype)
+
+
+def _clip(cfg) -> tuple[float, ...]:
+    return CLIP_RATIOS if cfg.clip_search else (1.0,)
+
+
+def key_codec(cfg, codebook: bool = False) -> KeyCodec:
+    """The key codec of a layer with options `cfg` (`codebook`: its levels come from a codebook)."""
+    return KeyCodec(bits=cfg.k_bits, group=1 if cfg.static_keys else cfg.k_group_size, scale_dtype=_scale_dtype(cfg),
+                    outliers=cfg.outliers, clip_ratios=_clip(cfg), codebook=codebook, static=cfg.static_keys,
+                    rotation=cfg.rotation != "none" and "k" in cfg.rotate)
+
+
+def value_codec(cfg, head_dim: int, calibrated_levels: bool = False) -> ValueCodec:
+    """The value codec of a layer with options `cfg` for `head_dim` channels (`calibrated_levels`: a calibration
+    file's codebook applies to values)."""
+    return ValueCodec(bits=cfg.v_bits, group=cfg.value_group_size(head_dim), scale_dtype=_scale_dtype(cfg),
+                      outliers=cfg.outliers, clip_ratios=_clip(cfg),
+                      codebook=calibrated_levels or cfg.levels == "lloyd-max" or cfg.v_scale == "norm",
+                      # rotate="auto" rotates values (keys are chosen per layer before its first update)
+                      rotation=cfg.rotation != "none" and cfg.rotate in ("auto", "kv", "v"), norm=cfg.v_scale == "norm")
+
+
+def token_codecs(cfg, head_dim: int, widths: tuple[int, int]) -> tuple[ValueCodec, ValueCodec]:
+    """Codecs of residual key and value tokens at `widths` (k, v), per token and head, in the form
+    `cfg.token_form` names for each width (the 8-bit window, or a window-only layer's tokens)."""
+    codecs = []
+    for prefix, bits in zip(("wk_", "wv_"), widths):
+        form = cfg.token_form(bits)
+        if form == "norm":
+            codecs.append(ValueCodec(bits=bits, group=head_dim, scale_dtype=_scale_dtype(cfg), codebook=True,
+                                     rotation=True, norm=True, prefix=prefix, axis="residual"))
+        else:
+            group = head_dim if form == "minmax8" else cfg.token_group_size(head_dim)
+            codecs.append(ValueCodec(bits=bits, group=group, scale_dtype=_scale_dtype(cfg), prefix=prefix,
+                                     axis="residual"))
+    return codecs[0], codecs[1]
+
+
+def window_codecs(cfg, head_dim: int, window_only: bool) -> tuple[ValueCodec, ValueCodec] | None:
+    """The residual's token codecs (None: the residual is kept as attention gave it)."""
+    if window_only:
+        return token_codecs(cfg, head_dim, (cfg.k_bits, cfg.v_bits))
+    if cfg.window_bits == 8:
+        return token_codecs(cfg, head_dim, (8, 8))
+    return None
+
+
+def layer_parts(k: KeyCodec, v: ValueCodec, window: tuple[ValueCodec, ValueCodec] | None, head_dim: int,
+                dtype: torch.dtype) -> list[Part]:
+    """Every tensor a layer stores: the key and value codecs' parts, the sinks and the residual."""
+    parts = k.parts(head_dim, dtype) + v.parts(head_dim, dtype)
+    parts += [Part(name, "sink", (head_dim,), dtype, "full_precision") for name in ("sink_k", "sink_v")]
+    if window is not None:
+        parts += [part for codec in window for part in codec.parts(head_dim, dtype)]
+    else:
+        parts += [Part(name, "residual", (head_dim,), dtype, "full_precision") for name in ("res_k", "res_v")]
+    return parts
+
+
+def entries(cfg, num_tokens: int, window_only: bool = False) -> dict[str, int]:
+    """Entries per store axis after `num_tokens` tokens (the module docstring's table; worst case of the block
+    being filled). A window-only layer: `num_tokens` is its window and all of it is residual."""
+    if window_only:
+        return {"sink": 0, "token": 0, "block": 0, "residual": num_tokens}
+    sinks = min(cfg.sink_tokens, num_tokens)
+    block = 1 if cfg.static_keys else cfg.k_group_size
+    q = max(num_tokens - sinks - cfg.recent_tokens, 0) // block * block
+    return {"sink": sinks, "token": q, "block": q // cfg.k_group_size, "residual": num_tokens - sinks - q}
+
+
+def held_bytes(cfg, head_dim: int, num_tokens: int, fp_bytes: int = 2, window_only: bool = False) -> int:
+    """Bytes one head of a layer with options `cfg` holds after `num_tokens` tokens in a cache whose elements take
+    `fp_bytes` bytes: its declared parts times their entries."""
+    dtype = _FP_DTYPES[fp_bytes]
+    window = window_codecs(cfg, head_dim, window_only)
+    if window_only:  # no key blocks and no sinks: only the window's tokens
+        parts = [part for codec in window for part in codec.parts(head_dim, dtype)]
+    else:
+        parts = layer_parts(key_codec(cfg), value_codec(cfg, head_dim), window, head_dim, dtype)
+    counts = entries(cfg, num_tokens, window_only)
+    return sum(part.entry_bytes * counts[part.axis] for part in parts)
