@@ -85,7 +85,7 @@ def test_both_keywords_reach_the_cache_in_generate(llama, keyword):
 
 def test_cache_keyword_is_the_one_transformers_does_not_deprecate(llama):
     """`cache=` (transformers >= 5.24) runs without a deprecation warning in forward and generate; the README's
-    `past_key_values=` keeps working (the tests above) while transformers accepts it (5.25 warns)."""
+    `past_key_values=` keeps working (the tests above) while transformers accepts it (5.24 and 5.25 warn)."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
