@@ -22,7 +22,8 @@ import torch
 from .codec import KeyCodec, ValueCodec
 from .store import Part
 
-__all__ = ["key_codec", "value_codec", "token_codecs", "layer_parts", "entries", "held_bytes", "CLIP_RATIOS"]
+__all__ = ["key_codec", "value_codec", "token_codecs", "window_codecs", "layer_parts", "entries", "held_bytes",
+           "CLIP_RATIOS"]
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 _FP_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32}  # a stand-in dtype of the cache's element size
