@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from dataclasses import dataclass, fields
 
 import torch
-from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import kernels, layout
+from .binding import attention_module_on_stack, positions_from_kwargs, tensor_parallel_ranks
 from ._compat import binding_context, check_transformers
 from .attention import ATTN_IMPLEMENTATION as FUSED_ATTENTION  # the attention that can read codes itself
 from .calibfile import CalibrationData, load_calibration, model_fingerprint
@@ -84,13 +83,6 @@ class CacheMemory:
         return CacheMemory(**{f.name: (max if f.name == "tokens" else int.__add__)(getattr(self, f.name),
                                                                                  getattr(other, f.name))
                               for f in fields(self)})
-
-
-def _positions_from_kwargs(kwargs: dict) -> torch.Tensor | None:
-    inner = kwargs.get("kwargs")
-    if isinstance(inner, dict) and inner.get("position_ids") is not None:
-        return inner["position_ids"]
-    return kwargs.get("position_ids")
 
 
 def _consecutive_positions(given: torch.Tensor, first: torch.Tensor, seen: int) -> torch.Tensor:
@@ -292,7 +284,7 @@ class QuantLayer(CacheLayerMixin):
                 f" but got key_states of shape {tuple(key_states.shape)}; call reset() before reusing the cache"
             )
         B, _, T, _ = key_states.shape  # key_states: [B, H, T, D]
-        position_ids = _positions_from_kwargs(kwargs)
+        position_ids = positions_from_kwargs(kwargs)
         if position_ids is None:
             if self.rope is not None:
                 raise ValueError(
@@ -604,44 +596,6 @@ def _dynamic_layer_memory(layer) -> CacheMemory:
                        tokens=layer.keys.shape[-2] if layer.keys.dim() == 4 else 0)
 
 
-def _tensor_parallel_ranks() -> int:
-    """Ranks of the default process group (transformers' tp_plan shards KV heads over them), else 1."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _find_attention_module(layer_idx: int, depth: int = 16) -> nn.Module | None:
-    """The attention module calling `Cache.update`: the nearest frame up the call stack with a local that is an
-    `nn.Module` carrying a `config` and this `layer_idx` (transformers' attention modules hold both). Looked up once per
-    forward (at layer 0); the layers of that forward follow from it."""
-    frame = sys._getframe(2)
-    without_config = False  # an attention module of this layer without `config` (BLOOM, XGLM) was on the stack
-    for _ in range(depth):
-        if frame is None:
-            break
-        for owner in frame.f_locals.values():
-            if isinstance(owner, nn.Module) and getattr(owner, "layer_idx", None) == layer_idx:
-                if hasattr(owner, "config"):
-                    return owner
-                without_config = True
-        frame = frame.f_back
-    return _find_model_with_config(depth) if without_config else None
-
-
-def _find_model_with_config(depth: int) -> nn.Module | None:
-    """For attention modules without a `config` (BLOOM, XGLM): the nearest module up the stack that has one (the
-    decoder model), so that binding names what the model lacks (e.g. RoPE) instead of failing to bind."""
-    frame = sys._getframe(3)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        for owner in frame.f_locals.values():
-            if isinstance(owner, nn.Module) and hasattr(getattr(owner, "config", None), "get_text_config"):
-                return owner
-        frame = frame.f_back
-    return None
-
-
 class QuantCache(Cache):
     """A quantized KV cache for `model.generate` and plain forward passes.
 
@@ -755,7 +709,7 @@ class QuantCache(Cache):
         built without a config), or check it is the model this cache holds tokens for. Without an explicit config the
         model must be found; with one, a model that cannot be found (attention written as a free function) is
         trusted to be that config's."""
-        module = _find_attention_module(layer_idx)
+        module = attention_module_on_stack(layer_idx)
         if module is None:
             if not self._explicit:
                 raise ValueError(
@@ -793,7 +747,7 @@ class QuantCache(Cache):
             raise ValueError(f"layer_idx={layer_idx} but the model this QuantCache was built for has {len(self.layers)} "
                              "layers; use a new QuantCache per model")
         heads = fp["num_key_value_heads"]
-        if key_states.dim() == 4 and key_states.shape[1] * _tensor_parallel_ranks() == heads:
+        if key_states.dim() == 4 and key_states.shape[1] * tensor_parallel_ranks() == heads:
             heads = key_states.shape[1]  # a tensor-parallel rank holds its share of the KV heads
         if key_states.dim() != 4 or key_states.shape[1] != heads or key_states.shape[-1] != fp["head_dim"]:
             raise ValueError(
@@ -829,7 +783,7 @@ class QuantCache(Cache):
 
         idx = layer.layer_idx
         try:
-            module = _find_attention_module(idx)
+            module = attention_module_on_stack(idx)
             if module is None or getattr(module, "config", None) is None:
                 raise ValueError(
                     f"rotate='auto' decides per layer from the attention module's q_proj/k_proj weights, and no "

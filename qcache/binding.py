@@ -1,0 +1,66 @@
+"""What QuantCache reads from the model that calls it, in one place.
+
+* `positions_from_kwargs`: the `position_ids` attention passes to `Cache.update` (transformers 5.24 and later); a
+  model whose attention passes none is refused by the layer that needs them (`rope="pre"`).
+* `attention_module_on_stack`: the fallback that lets `QuantCache(bits=4)` work without a config, as the user's
+  `generate(..., past_key_values=QuantCache(bits=4))` line is written. At layer 0 of each forward the cache looks up
+  the call stack of `Cache.update` for the attention module (an `nn.Module` with `config` and this `layer_idx`) and
+  binds to its config; `rotate="auto"` reads that module's q/k projections. `QuantCache(model.config, ...)` needs the
+  walk only for `rotate="auto"`; without a module found, a cache built without a config raises, naming that fix.
+* `tensor_parallel_ranks`: how many ranks share the KV heads (transformers' `tp_plan`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+__all__ = ["positions_from_kwargs", "attention_module_on_stack", "tensor_parallel_ranks"]
+
+
+def positions_from_kwargs(kwargs: dict) -> torch.Tensor | None:
+    """The `position_ids` attention handed `Cache.update`: a keyword of its own, or inside a nested `kwargs` dict."""
+    inner = kwargs.get("kwargs")
+    if isinstance(inner, dict) and inner.get("position_ids") is not None:
+        return inner["position_ids"]
+    return kwargs.get("position_ids")
+
+
+def tensor_parallel_ranks() -> int:
+    """Ranks of the default process group (transformers' tp_plan shards KV heads over them), else 1."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def attention_module_on_stack(layer_idx: int, depth: int = 16) -> nn.Module | None:
+    """The attention module calling `Cache.update`: the nearest frame up the call stack with a local that is an
+    `nn.Module` carrying a `config` and this `layer_idx` (transformers' attention modules hold both). Looked up once per
+    forward (at layer 0); the layers of that forward follow from it."""
+    frame = sys._getframe(2)
+    without_config = False  # an attention module of this layer without `config` (BLOOM, XGLM) was on the stack
+    for _ in range(depth):
+        if frame is None:
+            break
+        for owner in frame.f_locals.values():
+            if isinstance(owner, nn.Module) and getattr(owner, "layer_idx", None) == layer_idx:
+                if hasattr(owner, "config"):
+                    return owner
+                without_config = True
+        frame = frame.f_back
+    return _model_on_stack(depth) if without_config else None
+
+
+def _model_on_stack(depth: int) -> nn.Module | None:
+    """For attention modules without a `config` (BLOOM, XGLM): the nearest module up the stack that has one (the
+    decoder model), so that binding names what the model lacks (e.g. RoPE) instead of failing to bind."""
+    frame = sys._getframe(3)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        for owner in frame.f_locals.values():
+            if isinstance(owner, nn.Module) and hasattr(getattr(owner, "config", None), "get_text_config"):
+                return owner
+        frame = frame.f_back
+    return None
