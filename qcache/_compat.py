@@ -130,11 +130,7 @@ def binding_report() -> str:
 def check_transformers(version: str | None = None) -> str:
     """Raise `TransformersVersionError` (an ImportError naming the fix) unless Transformers `version` (default: the
     installed one) is supported; return the version checked."""
-    if version is None:
-        import transformers
-
-        version = transformers.__version__
-    return _check_installed(version)
+    return _check_installed(_installed_version() if version is None else version)
 
 
 def require_cache_written(cache, length_before: int, added: int, where: str) -> int:
