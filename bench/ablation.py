@@ -27,8 +27,8 @@ from pathlib import Path
 
 # a cache with none of the levers: the defaults of the 2048-token round (unrotated, min-max, 64-token key blocks, a
 # 16-bit window)
-NONE = {"rotation": "none", "k_group_size": 64, "window_bits": 16}
-# the defaults (QuantCacheConfig(bits=N), tests/test_defaults.py), spelled out
+NONE = {"rotation": "none", "rotate": "kv", "v_scale": "minmax", "k_group_size": 64, "window_bits": 16}
+# the defaults (the preset rows of qcache/presets.py, tests/test_presets.py), spelled out
 DEFAULTS = {"rotation": "hadamard", "rotate": "auto", "v_scale": "norm", "levels": "uniform", "k_group_size": 128,
             "window_bits": 8}
 DEFAULTS_AT = {2: {**DEFAULTS, "levels": "lloyd-max"}}  # widths whose defaults differ: 2-bit keys on Lloyd-Max levels

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from qcache import QuantCacheConfig, __version__
+from qcache import __version__
+from qcache.presets import recipe
 from qcache.cache import QuantLayer
 
 H, D, G = 2, 64, 64
@@ -40,7 +41,7 @@ def _git() -> dict:
 
 def filled_layer(stored: int) -> QuantLayer:
     """A layer holding `stored` tokens (sinks + quantized blocks + residual), filled in big chunks."""
-    cfg = QuantCacheConfig(bits=4, k_group_size=G, rope="post", recent_tokens=128)
+    cfg = recipe(bits=4, k_group_size=G, rope="post", recent_tokens=128)
     layer = QuantLayer(cfg, 0, None)
     g = torch.Generator().manual_seed(0)
     done = 0

@@ -35,9 +35,9 @@ def _options(row: dict) -> dict:
     if row.get("options"):
         return {**row["options"], **{k: given[k] for k in ("calibration", "bits_per_value") if k in given}}
     if "preset" in given:  # a named setting: its options, then the spec's own
-        from qcache.presets import preset_options
+        from qcache.presets import recipe
 
-        given = preset_options(given.pop("preset"), **given)
+        given = recipe(preset=given.pop("preset"), **given).to_dict()
     o = {**LEGACY_DEFAULTS, **given}
     if spec.get("bits") is not None:
         o["k_bits"] = o["v_bits"] = spec["bits"]

@@ -81,8 +81,9 @@ def reference_logprobs(model, input_ids: torch.Tensor, chunk: int = 256) -> list
 # the key layouts `choose_rotate` tries, by the name their KL is stored under: the options each changes (rotated keys
 # look Gaussian, so Lloyd-Max levels may fit them)
 # ("v" leaves the levels to the defaults: Lloyd-Max for 2-bit keys, else uniform)
-KEY_CHOICES = {"v": {"rotate": "v"}, "kv": {"rotate": "kv", "levels": "uniform"},
-               "kv+lloyd-max": {"rotate": "kv", "levels": "lloyd-max"}}
+# rotated keys leave no stream a file's codebooks were fitted for (values are rotated in every choice)
+KEY_CHOICES = {"v": {"rotate": "v"}, "kv": {"rotate": "kv", "levels": "uniform", "codebooks": False},
+               "kv+lloyd-max": {"rotate": "kv", "levels": "lloyd-max", "codebooks": False}}
 
 
 @torch.no_grad()
@@ -92,8 +93,7 @@ def choose_rotate(model, input_ids: torch.Tensor, options: QuantCacheConfig, chu
     """Whether this model's keys should be rotated too, and with which levels: the KL (against the default cache,
     scored like `measure_sensitivities`) of `options` with values rotated only (`rotate="v"`, keys unrotated), with keys
     and values rotated (`rotate="kv"`) and, with `try_levels`, rotated keys on data-free Lloyd-Max levels
-    (`KEY_CHOICES`); calibrated codebooks are left out of all. Returns `options` with the lowest (the options that
-    follow from them re-resolved) and the KLs by name ("v", "kv", "kv+lloyd-max"). Rotated keys help some models and
+    (`KEY_CHOICES`); calibrated codebooks are left out of all. Returns `options` with the lowest  and the KLs by name ("v", "kv", "kv+lloyd-max"). Rotated keys help some models and
     hurt others (SmolLM2-135M at 2 bits: Δ PPL +15 % unrotated, +5 % rotated; Gemma-3-270M the other way round)."""
     from qcache.cache import QuantCache
 
@@ -108,10 +108,10 @@ def choose_rotate(model, input_ids: torch.Tensor, options: QuantCacheConfig, chu
                 continue
             change = {k: v for k, v in change.items() if k != "levels"}
         changes[name] = change
-        opts = QuantCacheConfig.overridden(options.to_dict(), {**change, "codebooks": False})
+        opts = dataclasses.replace(options, **{**change, "codebooks": False})
         kls[name] = _kl_of(model, input_ids, lambda: QuantCache(model.config, options=opts), reference, chunk)
     best = min(kls, key=kls.get)  # a tie keeps the first: keys unrotated
-    return QuantCacheConfig.overridden(options.to_dict(), changes[best]), kls
+    return dataclasses.replace(options, **changes[best]), kls
 
 
 @torch.no_grad()
@@ -130,7 +130,7 @@ def measure_sensitivities(model, input_ids: torch.Tensor, options: QuantCacheCon
         reference = reference_logprobs(model, input_ids, chunk)
 
     def kl_with(pairs):
-        opts = dataclasses.replace(options, bits=None, layer_bits=tuple(pairs))
+        opts = dataclasses.replace(options, layer_bits=tuple(pairs))
         return _kl_of(model, input_ids, lambda: QuantCache(model.config, options=opts), reference, chunk)
 
     base_pairs = [(_BASE, _BASE)] * num_layers
@@ -159,7 +159,7 @@ def needle_floors(model, tokenizer, text: str, options: QuantCacheConfig, quanti
     ids, needles = build_needles(tokenizer, text, length, count, seed=seed)
 
     def answer_logprob(pairs) -> float:
-        opts = dataclasses.replace(options, bits=None, layer_bits=tuple(pairs))
+        opts = dataclasses.replace(options, layer_bits=tuple(pairs))
         scores = score_needles(model, fill_cache(model, QuantCache(model.config, options=opts), ids), needles)
         return sum(x.logprob for x in scores) / len(scores)
 
@@ -183,7 +183,7 @@ def plan_bits_per_value(options: QuantCacheConfig, pairs, quantized: list[int], 
                         context: int) -> float:
     """Bits per value a plan holds at `context` tokens, over the quantized layers (`bytes_per_token` of their
     `layer_bits`: codes, scales, full-precision tokens and positions)."""
-    plan = dataclasses.replace(options, bits=None, layer_bits=tuple(tuple(pairs[layer]) for layer in quantized))
+    plan = dataclasses.replace(options, layer_bits=tuple(tuple(pairs[layer]) for layer in quantized))
     return plan.bytes_per_token(len(quantized), kv_heads, head_dim, context) * 8 / (len(quantized) * kv_heads
                                                                                    * head_dim * 2)
 

@@ -37,6 +37,7 @@ import torch
 
 from qcache.calibfile import save_calibration
 from qcache.config import SUPPORTED_BITS, QuantCacheConfig
+from qcache.presets import recipe
 
 __all__ = ["read_text", "sample_sequences", "max_context", "calibrate_model", "save_calibration", "main"]
 
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         opts["outliers"] = args.outliers
     try:
         opts.update(parse_option(text) for text in args.option)
-        options = QuantCacheConfig(**opts)
+        options = recipe(**opts)
     except ValueError as err:
         p.error(str(err))
     choose_default, try_levels = rotation_choice(options, opts)

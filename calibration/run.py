@@ -121,7 +121,7 @@ def calibrate(model, input_ids: torch.Tensor, options: QuantCacheConfig, setting
                                               reference=reference)
         heads, head_dim = fingerprint["num_key_value_heads"], fingerprint["head_dim"]
         plan = allocate(sens, options, budget, len(layer_types), quantized, heads, head_dim, context, floors=floors)
-        options = dataclasses.replace(options, bits=None, layer_bits=plan)
+        options = dataclasses.replace(options, layer_bits=plan)
         settings = {**settings, "budget_bits_per_value": budget, "budget_context": context,
                     "plan_bits_per_value": round(plan_bits_per_value(options, plan, quantized, heads, head_dim,
                                                                      context), 4),

@@ -152,7 +152,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
                              "chosen by calibrating); allowed: calibration=auto,bits_per_value=B")
         return spec.options
     from calibration.cli import calibrate_model, max_context, rotation_choice, save_calibration
-    from qcache.config import QuantCacheConfig
+    from qcache.presets import recipe
 
     from .options import parse_cache_options
 
@@ -160,7 +160,7 @@ def auto_calibration(model, tokenizer, spec: CacheSpec) -> dict:
     budget = options.pop("bits_per_value", None)
     needle_floor = options.pop("needle_floor", None)
     needle_length = options.pop("needle_length", None)
-    config = QuantCacheConfig(bits=bits if bits is not None else spec.bits, **options)
+    config = recipe(bits=bits if bits is not None else spec.bits, **options)
     if budget is not None:  # per-layer widths within `budget` bits/value at the model's full context
         budget = {"budget": budget, "samples": 1, "seq_len": 2048, "needle_floor": needle_floor,
                   "needle_length": needle_length,

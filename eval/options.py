@@ -17,11 +17,12 @@ from qcache.tools.data import chunk_bounds  # the pieces every cache is fed in (
 __all__ = ["CACHE_OPTIONS", "MODEL_DTYPES", "check_positive_int", "chunk_bounds", "model_dtype", "format_layer_bits", "parse_cache_options", "parse_layer_bits", "to_bool",
            "to_int"]
 
-# QuantCacheConfig fields a user may set, plus the calibration file and what chooses a per-layer plan (`layer_bits`
-# is written as `parse_layer_bits` reads it; `calibration=auto,bits_per_value=B` chooses one for a budget)
-CACHE_OPTIONS = tuple(f.name for f in dataclasses.fields(QuantCacheConfig)) + (
+# QuantCacheConfig fields a user may set, the width (`bits`: the preset row of that width) or row (`preset`), plus
+# the calibration file and what chooses a per-layer plan (`layer_bits` is written as `parse_layer_bits` reads it;
+# `calibration=auto,bits_per_value=B` chooses one for a budget)
+CACHE_OPTIONS = ("bits",) + tuple(f.name for f in dataclasses.fields(QuantCacheConfig)) + (
     "calibration", "bits_per_value", "needle_floor", "needle_length", "preset")
-_INT_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type).startswith("int")}
+_INT_OPTIONS = {"bits"} | {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type).startswith("int")}
 _BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 

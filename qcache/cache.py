@@ -43,6 +43,7 @@ from .attention import ATTN_IMPLEMENTATION as FUSED_ATTENTION  # the attention t
 from .calibfile import CalibrationData, load_calibration, model_fingerprint
 from .codec import ValueCodec
 from .config import QuantCacheConfig
+from .presets import recipe
 from .kernels import Quantized
 from .levels import gaussian_levels_tensor, levels_tensor
 from .rotation import SharedRotation
@@ -125,14 +126,28 @@ class QuantLayer(CacheLayerMixin):
                  sliding_window: int | None = None, calibration: dict[str, torch.Tensor] | None = None,
                  rotation: SharedRotation | None = None):
         super().__init__()
-        self._init_args = (layer_idx, rope, sliding_window, calibration, rotation)
-        # rotate="auto": keys rotated or not is decided per layer before its first update (`choose_key_rotation`); a
-        # window-only layer has no key blocks, so nothing to decide (its tokens have codecs of their own)
-        if cfg.rotate == "auto" and sliding_window is not None and cfg.holds_window_only():
-            cfg = dataclasses.replace(cfg, rotate="v")
+        self.layer_idx = layer_idx
+        self.rope = rope
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self._calibration = calibration or {}
+        self._rotation = rotation
+        self._owns_rotation = False
         self.key_rotation_ratio: float | None = None  # rotate="auto": the estimate the choice was made on
+        # set by QuantCache each forward: the attention is qcache_fp32, which can attend from the codes directly
+        self.fused_attention = False
+        # a window-only layer has no key blocks, so nothing for rotate="auto" to decide (its tokens have codecs of
+        # their own); any other layer decides before its first update (`choose_key_rotation`)
+        if cfg.rotate == "auto" and self.is_sliding and cfg.holds_window_only():
+            cfg = dataclasses.replace(cfg, rotate="v")
+        self._configure(cfg)
+        self._clear()
+
+    def _configure(self, cfg: QuantCacheConfig) -> None:
+        """Take `cfg` as this layer's recipe: its constants and key codec (the value codec needs head_dim and is
+        built at the first update)."""
         self.cfg = cfg
-        calibration = calibration or {}
+        calibration = self._calibration
         _check_calibration_options(cfg, bool(calibration))
         streams = cfg.codebook_streams() if cfg.codebooks else ""  # the streams the file's levels were fitted for
         k_consts = {"codebook": calibration.get("k_codebook") if "k" in streams else None}
@@ -140,32 +155,23 @@ class QuantLayer(CacheLayerMixin):
         for name, cb, bits in (("k_codebook", k_consts["codebook"], cfg.k_bits),
                                ("v_codebook", v_consts["codebook"], cfg.v_bits)):
             if cb is not None and cb.numel() != 2**bits:
-                raise ValueError(f"layer {layer_idx}: calibrated {name} has {cb.numel()} levels but {bits} bits "
+                raise ValueError(f"layer {self.layer_idx}: calibrated {name} has {cb.numel()} levels but {bits} bits "
                                  f"need {2**bits}; calibrate for these bits or pass codebooks=False")
         if cfg.static_keys:
             if "k_static_zero" not in calibration:
                 raise ValueError(f"static_keys=True needs a calibration file with static key ranges (layer "
-                                 f"{layer_idx} has none); allowed without one: static_keys=False")
+                                 f"{self.layer_idx} has none); allowed without one: static_keys=False")
             k_consts["static_zero"], k_consts["static_scale"] = (calibration["k_static_zero"],
                                                                  calibration["k_static_scale"])  # [H, D] each
-        self.window_only = sliding_window is not None and cfg.holds_window_only()
+        # the layer holds its whole window as tokens quantized one by one and evicts token by token: no key blocks,
+        # so no block being filled and no whole-block slack beyond the window
+        self.window_only = self.is_sliding and cfg.holds_window_only()
         if cfg.levels == "lloyd-max" and not self.window_only:  # data-free levels (value group known at first update)
             k_consts["codebook"] = levels_tensor(cfg.k_bits, cfg.k_group_size, cfg.outliers)
         self.consts = {"k": k_consts, "v": v_consts}
-        self._rotation = rotation
-        self._owns_rotation = False
         self.k_codec = layout.key_codec(cfg, codebook=k_consts["codebook"] is not None)
         self.v_codec: ValueCodec | None = None  # its group depends on head_dim: built at the first update
-        self.layer_idx = layer_idx
-        self.rope = rope
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
         self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
-        # self.window_only (set above): the layer holds its whole window as tokens quantized one by one and evicts
-        # token by token: no key blocks, so no block being filled and no whole-block slack beyond the window
-        # set by QuantCache each forward: the attention is qcache_fp32, which can attend from the codes directly
-        self.fused_attention = False
-        self._clear()
 
     def choose_key_rotation(self, ratio: float | None) -> None:
         """rotate="auto": rotate this layer's keys if `ratio` (estimated score error rotated / unrotated,
@@ -176,10 +182,8 @@ class QuantLayer(CacheLayerMixin):
         if self.is_initialized:
             raise RuntimeError(f"layer {self.layer_idx} already holds tokens; its key rotation is chosen before that")
         rotate = "kv" if ratio is not None and ratio < 1 else "v"
-        cfg = dataclasses.replace(self.cfg, rotate=rotate, codebooks=bool(self.cfg.codebooks) and rotate == "v")
-        fused = self.fused_attention  # set by the cache each forward, possibly before this layer's first update
-        self.__init__(cfg, *self._init_args)
-        self.key_rotation_ratio, self.fused_attention = None if ratio is None else float(ratio), fused
+        self._configure(dataclasses.replace(self.cfg, rotate=rotate, codebooks=self.cfg.codebooks and rotate == "v"))
+        self.key_rotation_ratio = None if ratio is None else float(ratio)
 
     # -- state -----------------------------------------------------------------------------------------------
     def _clear(self) -> None:
@@ -193,14 +197,9 @@ class QuantLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # key_states: [B, H, T, D]
-        if self.cfg.rotate == "auto":
-            if not self.cfg.rotate_defaulted:
-                raise RuntimeError(f"layer {self.layer_idx}: rotate='auto' but no key rotation was chosen before the "
-                                   "first update (QuantCache.update chooses it; a QuantLayer used on its own needs "
-                                   "choose_key_rotation(ratio) first, or rotate='v' / 'kv')")
-            logger.warning("layer %d: a QuantLayer used on its own, rotate left at its default ('auto'): keys "
-                           "unrotated (no model weights to decide by); pass rotate='v' to say so or rotate='kv'",
-                           self.layer_idx)
+        if self.cfg.rotate == "auto":  # no QuantCache chose it from the model's weights
+            logger.warning("layer %d: a QuantLayer used on its own with rotate='auto': keys unrotated (no model "
+                           "weights to decide by); pass rotate='v' to say so or rotate='kv'", self.layer_idx)
             self.choose_key_rotation(None)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.v_codec = layout.value_codec(self.cfg, D, calibrated_levels=self.consts["v"]["codebook"] is not None)
@@ -618,15 +617,12 @@ class QuantCache(Cache):
     def __init__(self, config=None, *, options: QuantCacheConfig | None = None,
                  calibration: "str | CalibrationData | None" = None, preset: str | None = None, **kwargs):
         check_transformers()  # an older release would hand the model's own DynamicCache the tokens, silently
-        if preset is not None:  # qcache/presets.py: named settings; keyword options override them
-            if options is not None or calibration is not None:
-                raise ValueError(f"preset={preset!r} sets the options itself; allowed with it: keyword options, not "
-                                 "options= or calibration=")
-            from .presets import preset_options
-
-            kwargs = preset_options(preset, **{k: v for k, v in kwargs.items() if v is not None})
-        if options is not None and kwargs:
-            raise ValueError(f"pass either options= or keyword options, not both (got {sorted(kwargs)})")
+        if options is not None and (kwargs or preset is not None):
+            raise ValueError(f"pass either options= or keyword options/preset, not both (got "
+                             f"{sorted(kwargs) + (['preset'] if preset else [])})")
+        if preset is not None and calibration is not None:
+            raise ValueError(f"preset={preset!r} chooses a recipe and a calibration file holds its own; allowed with "
+                             "calibration=: keyword options, not preset=")
         if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
             calibration = load_calibration(calibration)
         if calibration is not None:  # keep only what a cache reads (not e.g. the channel weights k-means used)
@@ -638,13 +634,13 @@ class QuantCache(Cache):
         self.calibration: CalibrationData | None = calibration
         if options is None:
             given = {k: v for k, v in kwargs.items() if v is not None}
-            if calibration is not None:  # the file's options, overridden by what the caller passes
-                base = QuantCacheConfig.from_dict(calibration.options).to_dict()
-                if "bits" in given:
-                    base["k_bits"] = base["v_bits"] = given["bits"]
-                options = QuantCacheConfig.overridden(base, given)
+            if calibration is not None:  # the file's recipe, the options given replacing its fields
+                bits = given.pop("bits", None)
+                if bits is not None:
+                    given = {"k_bits": bits, "v_bits": bits, **given}
+                options = dataclasses.replace(calibration.recipe, **given)
             else:
-                options = QuantCacheConfig(**given)
+                options = recipe(preset=preset, **given)
         _check_calibration_options(options, calibration is not None)
         if options.static_keys and calibration is None:
             raise ValueError("static_keys=True needs a calibration file (calibration=path); allowed without one: "
@@ -655,7 +651,7 @@ class QuantCache(Cache):
         self._rotation: SharedRotation | None = None  # rotation="hadamard": one matrix for all layers (at _bind)
         self._config_obj = None
         self._text_config = None
-        self._warned_key_rotation = False  # rotate="auto" left at its default and unable to decide: warned once
+        self._warned_key_rotation = False  # rotate="auto" unable to decide (no weights to read): warned once
         self._explicit = config is not None
         if config is not None:
             self._bind(config.get_text_config(decoder=True), modeling_module=None, prefix=None, config_obj=config)
@@ -796,12 +792,11 @@ class QuantCache(Cache):
                                                  rotary_width(tc, layer.rope, idx))
             ratio = key_rotation_ratio(q_energy, k_energy, self._rotation.on(q_energy.device))
         except ValueError as err:
-            if not self.options.rotate_defaulted:
-                raise
-            # rotate left at its default: this layer keeps its keys unrotated (the previous default), said once
+            # no weights to decide by: this layer keeps its keys unrotated (the measured-safe side), said once per
+            # cache and reported by `key_rotation`
             if not self._warned_key_rotation:
-                logger.warning("%s. Keeping keys unrotated where this happens (rotate left at its default); pass "
-                               "rotate='v' to say so or rotate='kv' to rotate them.", str(err).split("; allowed")[0])
+                logger.warning("%s. Keeping keys unrotated where this happens; pass rotate='v' to say so or "
+                               "rotate='kv' to rotate them.", str(err).split("; allowed")[0])
                 self._warned_key_rotation = True
             ratio = None
         layer.choose_key_rotation(ratio)

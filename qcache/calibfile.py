@@ -19,7 +19,8 @@ head_dim, layer types, RoPE parameters), options (JSON QuantCacheConfig), settin
 source and sha256, tokens, seed, ...), layers (JSON list of calibrated layer indices).
 Files are written to a temporary file in the same directory, fsynced, then renamed over the target.
 
-Format versions: "1" (layer tensors only) and "2" (adds the optional K/V ranges) both load; files are written as "2".
+Format versions: "3" (options: the complete recipe, `QuantCacheConfig.to_dict`) is written; "1" (layer tensors only)
+and "2" (adds the optional K/V ranges) still load, their options read by `QuantCacheConfig.from_legacy_dict`.
 `load_calibration` also takes a folder laid out like a hub repo or a hub repo id (see `qcache.hub`).
 
 Example:
@@ -41,8 +42,9 @@ import torch
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "CalibrationData", "save_calibration", "load_calibration",
            "REQUIRED_TENSORS", "OPTIONAL_TENSORS", "KV_RANGE_TENSORS", "TENSOR_DTYPE"]
 
-FORMAT_VERSION = "2"
-READABLE_VERSIONS = ("1", "2")
+FORMAT_VERSION = "3"
+READABLE_VERSIONS = ("1", "2", "3")
+LEGACY_VERSIONS = ("1", "2")  # options written before the recipe was complete
 REQUIRED_TENSORS = ("k_codebook", "v_codebook")
 OPTIONAL_TENSORS = ("k_channel_weight", "k_static_zero", "k_static_scale")
 KV_RANGE_TENSORS = ("k_absmax", "v_absmax")  # file-level (not per layer), format 2
@@ -56,7 +58,7 @@ class CalibrationData:
 
     Args:
         model: the model fingerprint (`qcache.cache.model_fingerprint`).
-        options: the `QuantCacheConfig` dict the file was fitted for.
+        options: the recipe the file was fitted for (`QuantCacheConfig.to_dict`; `recipe` reads it).
         settings: how it was made (data, sha256, tokens, seed, method, ...).
         layers: {layer index: {tensor name: tensor}} for the calibrated layers.
         qcache_version: the qcache that wrote it.
@@ -79,6 +81,13 @@ class CalibrationData:
         self.qcache_version = qcache_version
         self.path = path
         self.kv_ranges = kv_ranges
+
+    @property
+    def recipe(self):
+        """The `QuantCacheConfig` this file was fitted for."""
+        from .config import QuantCacheConfig
+
+        return QuantCacheConfig.from_dict(self.options)
 
     def layer(self, idx: int) -> dict[str, torch.Tensor] | None:
         return self.layers.get(idx)
@@ -276,7 +285,9 @@ def load_calibration(source: str | os.PathLike, model=None, revision: str | None
     from .config import QuantCacheConfig
 
     try:
-        options = QuantCacheConfig.from_dict(options_dict)
+        legacy = metadata["format_version"] in LEGACY_VERSIONS
+        options = (QuantCacheConfig.from_legacy_dict if legacy else QuantCacheConfig.from_dict)(options_dict)
+        options_dict = options.to_dict()
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: metadata 'options' are not valid QuantCacheConfig options: {err}") from err
     if isinstance(ids := _parse_layer_ids(layer_ids, fingerprint["num_hidden_layers"]), str):

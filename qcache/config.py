@@ -1,27 +1,11 @@
-"""QuantCacheConfig: every option of the quantized cache, validated, round-trippable to a dict.
+"""QuantCacheConfig: the recipe of a quantized cache, one frozen row of concrete options.
 
-Defaults: `QuantCacheConfig(bits=N)` for N in 2, 3, 4 is the setting the fidelity runner measured best for its size
-on both test models at their full context (README "Defaults" names the runs): keys per channel in 128-token blocks,
-rotated or not per layer as the model's weights say (`rotate="auto"`, qcache/keyrot.py), on uniform levels
-(data-free Lloyd-Max levels at 2 bits); values Hadamard-rotated, one least-squares scale per token and head, Gaussian
-Lloyd-Max levels; the residual window 8-bit. Six options default to None and follow from the others
-(`QuantCacheConfig._resolve_defaults`, order `AUTO_OPTIONS`):
-
-    rotation     "hadamard", or "none" with static_keys=True (static key ranges are unrotated)
-    rotate       "auto" with a rotation: values rotated, keys rotated in the layers where the weights predict a smaller
-                 score error rotated (qcache/keyrot.py: all of SmolLM2's, none of Gemma-3's global layers, where
-                 rotated keys cost 5x the KL); else "kv"
-    levels       "lloyd-max" when every width it applies to is 2 bits (the keys; min-max values too), unless
-                 static_keys or codebooks=True ask for uniform levels, else "uniform": at 2 bits Lloyd-Max key
-                 levels cut KL to 0.37x on SmolLM2 and 0.83x on Gemma-3, at 3 and 4 bits they cost 1.05-1.4x
-                 (bench/ablation.py runs in docs/results); they lose the few needles 2-bit uniform keys keep
-    v_scale      "norm" when values are rotated and ungrouped (no outliers, clip_search or v_group_size), else "minmax"
-    codebooks    True when a calibration file's levels apply to a stream (uniform levels and unrotated keys, or
-                 unrotated min-max values: `codebook_streams`), else False
-    window_bits  8 when every width is at most 4 bits, else 16 (an 8-bit cache is meant to be near-lossless, and an
-                 8-bit window's rounding is the size of its own)
-
-`QuantCacheConfig.overridden` applies options on top of stored ones (a calibration file's) so that these follow.
+Every field holds a value (nothing is resolved from the others): the dataclass defaults are the row of
+`QuantCache(bits=4)`, and `qcache.presets.PRESETS` holds the other rows (`QuantCache(bits=3)` is a lookup there).
+Changing one option is `dataclasses.replace(recipe, name=value)`; a combination that does not hold raises in the
+check of the part it belongs to (widths, keys, values, rotation, kept tokens, sliding layers), naming every option that
+conflicts and what is allowed. A calibration file stores its recipe (`to_dict`); `from_legacy_dict` reads the
+options of files written before the recipe was complete.
 """
 
 from __future__ import annotations
@@ -42,11 +26,13 @@ LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
 ROTATE = ("auto", "kv", "k", "v")  # which of keys and values a rotation applies to ("auto": qcache/keyrot.py)
 V_SCALES = ("minmax", "norm")  # qcache/codec.py ValueCodec
 WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
-# options whose default (None) follows from the others (QuantCacheConfig._resolve_defaults), in resolution order
-AUTO_OPTIONS = ("rotation", "rotate", "v_scale", "levels", "codebooks", "window_bits")
+# what a file written before an option existed meant by leaving it out: the behaviour before the option
+LEGACY_OPTIONS = {"rotation": "none", "rotate": "kv", "v_scale": "minmax", "levels": "uniform", "window_bits": 16,
+                  "codebooks": True}
 
 __all__ = ["QuantCacheConfig", "format_layer_bits", "parse_layer_bits", "SUPPORTED_BITS", "CLIP_RATIOS", "SCALE_DTYPES",
-           "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS", "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
+           "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS", "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS",
+           "LEGACY_OPTIONS"]
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -57,6 +43,21 @@ def _check_choice(name: str, value, allowed) -> None:
 def _check_nonneg_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name}={value!r} must be a non-negative integer")
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _conflicts(reason: str, cfg, required: dict, why: dict, fix: str | None = None) -> None:
+    """Raise one error naming every option of `cfg` that differs from `required` (what `reason` needs)."""
+    bad = [name for name, value in required.items() if getattr(cfg, name) != value]
+    if not bad:
+        return
+    said = "; ".join(f"{n}={getattr(cfg, n)!r} {why[n]}" if n in why else f"got {n}={getattr(cfg, n)!r}" for n in bad)
+    allowed = ", ".join(f"{n}={required[n]!r}" for n in bad)
+    raise ValueError(f"{reason}: {said}; allowed with it: {allowed}" + (f", or {fix}" if fix else ""))
 
 
 _LAYER_PAIR = re.compile(r"k(\d+)v(\d+)(?:x(\d+))?")
@@ -100,104 +101,43 @@ def format_layer_bits(pairs) -> str:
     return "+".join(f"k{kb}v{vb}" + (f"x{n}" if n > 1 else "") for (kb, vb), n in runs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantCacheConfig:
-    """Options of `QuantCache`.
+    """The recipe of a `QuantCache`: one frozen row of options (docs/options.md explains each).
 
-    Args:
-        bits: sets both `k_bits` and `v_bits` when given.
-        k_bits: bits per stored key value (2, 3, 4 or 8).
-        v_bits: bits per stored value value (2, 3, 4 or 8).
-        k_group_size: tokens per key block (default 128); keys get one scale/zero per channel per block. The block being
-            filled is kept in full precision until it is full.
-        v_group_size: channels per value group; values get one scale/zero per token per group of channels.
-            None: the largest multiple of 8 up to 64 that divides head_dim.
-        sink_tokens: the first tokens of the cache, kept in full precision (attention sinks).
-        recent_tokens: the most recent tokens kept in full precision, on top of the block being filled.
-        rope: "pre" stores keys before RoPE (RoPE undone on the way in, re-applied on the way out); "post" stores
-            them as attention produced them.
-        sliding_layers: "native" keeps sliding-window layers (bounded by their window) in full precision;
-            "quantized" quantizes them like full-attention layers (key blocks; at 8 bits for keys and values, the
-            window as 8-bit tokens: see `sliding_bits`); "tokens" holds only their window, every token quantized on
-            its own as it arrives: keys (after RoPE) and values per token and head, at `sliding_bits` (or the layer's
-            k_bits/v_bits), no key blocks, no full-precision tokens, trimmed token by token. Below 8 bits each token
-            is Hadamard-rotated and scaled by one least-squares number onto Gaussian Lloyd-Max levels (the
-            `v_scale="norm"` form, for keys too) when rotation="hadamard", else min-max per group of
-            `v_group_size` channels; at 8 bits min-max per token and head.
-        scale_dtype: dtype of the stored scales and zero-points.
-        clip_search: per group, try ranges shrunk to CLIP_RATIOS of [min, max] and keep the one with the least
-            squared error (costs time when tokens are quantized, nothing when they are read).
-        codebooks: with a calibration file, use its non-uniform per-layer codebooks (else uniform levels) on the
-            streams they were fitted for (`codebook_streams`: unrotated keys; unrotated min-max values). Default: True
-            with uniform levels where a stream takes them (the defaults: the keys), else False.
-        static_keys: with a calibration file, use its static per-channel pre-RoPE key ranges: keys are quantized
-            as they arrive (no full-precision block, no per-block key scales).
-        outliers: dense-and-sparse quantization: per quantization group (a key channel over a block of
-            `k_group_size` tokens; a value token over `v_group_size` channels), this many values farthest from the
-            group's median are kept in the cache dtype with a 1-byte offset, and the group's range comes from the
-            rest. 0: off. Not combinable with static_keys.
-        kernel: how the cache is read each step. "compiled": unpack, dequantize, RoPE and the cast fused by
-            `torch.compile` (qcache/kernels.py), a one-time compile (seconds) per cache configuration; needs what
-            torch.compile needs on the device (a C++ compiler on CPU, Triton on GPU) and raises if it is missing.
-            With the model on the `qcache_fp32` attention, "compiled" also decodes without handing dequantized
-            keys/values to attention: one query token attends straight from the codes (`kernels.decode_attention`,
-            fp32). "eager": plain PyTorch ops, the same values (up to fp32 rounding), slower. "auto" (default):
-            "compiled" where torch.compile works on the cache's device (tried once per device type, with one INFO
-            log line saying which path runs), else "eager"; the environment variable QCACHE_KERNEL=eager|compiled
-            decides for every cache left on "auto".
-        rotation: "hadamard" (default; "none" with static_keys) or "none": each quantized key (pre-RoPE) and value
-            token (as `rotate` says) is multiplied by a
-            seeded randomized Hadamard matrix over head_dim before it is encoded and by its transpose when read
-            (qcache/rotation.py), spreading outlier channels. head_dim must be a multiple of 8 (mixing is within blocks
-            of its largest power-of-two divisor: all channels for a power of two).
-            Full-precision tokens are not rotated. Not combinable with static_keys (calibrated in unrotated space);
-            a calibration file's codebooks apply to the streams left unrotated only.
-        rotation_seed: seed of the rotation's ±1 signs (one matrix for every layer of a cache).
-        rotate: what the rotation applies to: "kv" keys and values, "k" keys only, "v" values only, "auto" values and,
-            layer by layer, the keys where the model's q_proj/k_proj weights predict a smaller score error rotated
-            (qcache/keyrot.py; decided at a layer's first update from the attention module calling it). Default:
-            "auto" with a rotation, "kv" without one (where it means nothing). Where auto cannot decide (no attention
-            module up the call stack, fused or sharded projections, a norm over all heads), rotate="auto" given
-            raises; left at its default, those layers keep keys unrotated (the measured-safe side) and the cache
-            logs a warning naming why. `QuantCache.key_rotation` reports the choice of each layer.
-        levels: "uniform" or "lloyd-max" (default: "lloyd-max" when every key width is 2, else "uniform"; see the
-            module docstring): data-free non-uniform levels, the Lloyd-Max levels of
-            min-max normalized Gaussian groups of the codec's group size (qcache/levels.py); best with
-            rotation="hadamard". Not combinable with a calibration file's codebooks (pass codebooks=False) or
-            static_keys.
-        window_bits: how the residual (the recent window and the block being filled) is held (default: 8 when every
-            width is at most 4 bits, else 16): 16 as
-            attention gave it, in the cache dtype; 8: each key (after RoPE) and value token 8-bit, with a scale and a
-            zero per token and head (`scale_dtype`): half the bytes of the window, which at 8k tokens is several
-            tenths of a bit per value; its tokens are quantized again to `k_bits`/`v_bits` when their block flushes.
-            Sinks stay in the cache dtype.
-        layer_bits: per-layer widths: one (k_bits, v_bits) pair per layer of the model (every layer, sliding ones
-            included; a layer kept native ignores its pair), instead of `k_bits`/`v_bits` for all. The number of
-            pairs must equal the model's layers (checked when the cache binds to a model). A string is read as runs
-            (`parse_layer_bits`): "k3v3x18+k8v3+k3v3x11" is 18 layers k3v3, one k8v3, 11 k3v3. `python -m
-            qcache.calibrate --bits-per-value B` chooses them from measured sensitivities and stores them in its file.
-        sliding_bits: with sliding_layers="quantized" or "tokens": the width of keys and values in sliding-window
-            layers (2, 3, 4 or 8; None: the same as the other layers; not combinable with layer_bits, which sets
-            every layer's widths itself). A sliding layer at 8 bits (keys and values) holds no key blocks: its whole window is
-            kept as the residual's 8-bit tokens (keys after RoPE, one scale and zero per token and head, whatever
-            `window_bits` says) and trimmed token by token, about half the bytes of the 16-bit window.
-        sliding_v_bits: the width of values in quantized sliding-window layers when it differs from their keys
-            (`sliding_bits`, which it needs): `sliding_bits=8, sliding_v_bits=4` holds 8-bit keys and 4-bit values.
-        v_scale: how a value token is scaled (default: "norm" when values are rotated and no option asks for value
-            groups: outliers, clip_search, v_group_size; else "minmax"). "minmax": a scale and a zero-point per group of
-            `v_group_size` channels, levels spanning the group's [min, max]. "norm": one number per token and head
-            (its least-squares scale, in `scale_dtype`) and the Lloyd-Max levels of a standard Gaussian, which the
-            coordinates of a Hadamard-rotated token divided by its RMS approximately follow (qcache/levels.py): half
-            the metadata of one "minmax" group, a quarter of four. These levels are its own: `levels` then applies to
-            keys only. Needs rotation="hadamard" on values (rotate "kv" or "v"); not combinable with outliers,
-            clip_search or v_group_size.
+    Widths:
+        k_bits / v_bits: bits per stored key / value (2, 3, 4 or 8).
+        layer_bits: one (k_bits, v_bits) pair per layer instead (a string is read by `parse_layer_bits`).
+    Keys (pre-RoPE with rope="pre", per channel):
+        k_group_size: tokens per key block (one scale/zero per channel per block).
+        levels: "uniform" or "lloyd-max" (data-free non-uniform levels; keys, and min-max values).
+        static_keys: a calibration file's static per-channel key ranges (no key blocks).
+        rope: "pre" (keys stored before RoPE) or "post" (as attention produced them).
+    Values (per token):
+        v_scale: "norm" (one least-squares scale per token and head, Gaussian levels; needs rotated values) or
+            "minmax" (a scale and zero per group of `v_group_size` channels; None: the largest multiple of 8 up to 64
+            dividing head_dim).
+    Rotation:
+        rotation: "hadamard" or "none"; rotation_seed: its signs; rotate: the streams rotated ("kv", "k", "v", or
+            "auto": values, and keys in the layers whose weights predict a smaller score error rotated).
+    Kept tokens:
+        sink_tokens: first tokens in the cache dtype; recent_tokens: newest tokens kept out of the key blocks;
+        window_bits: the residual (recent tokens and the block being filled) as given (16) or 8-bit per token.
+    Sliding-window layers:
+        sliding_layers: "native" (full precision), "quantized" (key blocks) or "tokens" (each token on its own);
+        sliding_bits / sliding_v_bits: their widths (None: the layer's own).
+    Other:
+        codebooks: use a calibration file's levels on the streams they were fitted for (`codebook_streams`);
+        outliers: values per group kept aside in the cache dtype; clip_search: search a clipping ratio per group;
+        scale_dtype: dtype of scales and zeros; kernel: "auto", "eager" or "compiled" read.
 
     Example:
-        >>> QuantCacheConfig(bits=2).k_bits
-        2
+        >>> QuantCacheConfig().k_bits
+        4
+        >>> dataclasses.replace(QuantCacheConfig(), recent_tokens=256).recent_tokens
+        256
     """
 
-    bits: int | None = None
     k_bits: int = 4
     v_bits: int = 4
     k_group_size: int = 128
@@ -208,52 +148,88 @@ class QuantCacheConfig:
     sliding_layers: str = "native"
     scale_dtype: str = "float16"
     clip_search: bool = False
-    codebooks: bool | None = None
+    codebooks: bool = True
     static_keys: bool = False
     kernel: str = "auto"
     outliers: int = 0
-    rotation: str | None = None
+    rotation: str = "hadamard"
     rotation_seed: int = 0
-    levels: str | None = None
-    rotate: str | None = None
-    v_scale: str | None = None
-    window_bits: int | None = None
+    levels: str = "uniform"
+    rotate: str = "auto"
+    v_scale: str = "norm"
+    window_bits: int = 8
     layer_bits: tuple[tuple[int, int], ...] | None = None
     sliding_bits: int | None = None
     sliding_v_bits: int | None = None
 
     def __post_init__(self) -> None:
-        # rotate left unset resolves to "auto", which then does not raise where it cannot decide (keys stay unrotated
-        # and the cache warns); rotate="auto" given raises there. Not a field: a copy (dataclasses.replace) is strict.
-        self.rotate_defaulted = self.rotate is None
-        if self.bits is not None:
-            _check_choice("bits", self.bits, SUPPORTED_BITS)
-            self.k_bits = self.v_bits = self.bits
-        if self.layer_bits is not None:
-            if self.bits is not None:
-                raise ValueError(f"bits={self.bits} and layer_bits both set widths; allowed: one of them")
-            pairs = parse_layer_bits(self.layer_bits) if isinstance(self.layer_bits, str) else self.layer_bits
-            if (not isinstance(pairs, (list, tuple)) or not pairs
-                    or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs)):
-                raise ValueError(f"layer_bits={pairs!r} must be a non-empty list of (k_bits, v_bits) pairs, one per "
-                                 "layer")
-            for i, (kb, vb) in enumerate(pairs):
-                _check_choice(f"layer_bits[{i}] k_bits", kb, SUPPORTED_BITS)
-                _check_choice(f"layer_bits[{i}] v_bits", vb, SUPPORTED_BITS)
-            self.layer_bits = tuple((int(kb), int(vb)) for kb, vb in pairs)
+        self._check_widths()
+        self._check_keys()
+        self._check_rotation()
+        self._check_values()
+        self._check_kept()
+        self._check_sliding()
+        self._check_other()
+
+    # -- the checks, one per part of the recipe ---------------------------------------------------------------
+    def _check_widths(self) -> None:
         _check_choice("k_bits", self.k_bits, SUPPORTED_BITS)
         _check_choice("v_bits", self.v_bits, SUPPORTED_BITS)
-        for name in ("k_group_size", "v_group_size"):
-            value = getattr(self, name)
-            if value is None and name == "v_group_size":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.v_group_size is not None and self.v_group_size % 8:
-            raise ValueError(f"v_group_size={self.v_group_size} must be a multiple of 8 (bit packing works on 8 values)")
+        if self.layer_bits is None:
+            return
+        pairs = parse_layer_bits(self.layer_bits) if isinstance(self.layer_bits, str) else self.layer_bits
+        if (not isinstance(pairs, (list, tuple)) or not pairs
+                or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs)):
+            raise ValueError(f"layer_bits={pairs!r} must be a non-empty list of (k_bits, v_bits) pairs, one per layer")
+        for i, (kb, vb) in enumerate(pairs):
+            _check_choice(f"layer_bits[{i}] k_bits", kb, SUPPORTED_BITS)
+            _check_choice(f"layer_bits[{i}] v_bits", vb, SUPPORTED_BITS)
+        object.__setattr__(self, "layer_bits", tuple((int(kb), int(vb)) for kb, vb in pairs))
+
+    def _check_rotation(self) -> None:
+        _check_choice("rotation", self.rotation, ROTATIONS)
+        _check_nonneg_int("rotation_seed", self.rotation_seed)
+        _check_choice("rotate", self.rotate, ROTATE)
+        if self.rotation == "none":
+            _conflicts("rotation='none' rotates nothing", self, {"rotate": "kv", "v_scale": "minmax"},
+                       {"rotate": "needs a rotation", "v_scale": "needs rotated values (its levels assume them)"})
+
+    def _check_keys(self) -> None:
+        _check_positive_int("k_group_size", self.k_group_size)
+        _check_choice("levels", self.levels, LEVELS)
+        _check_choice("rope", self.rope, ROPE_MODES)
+        _check_choice("static_keys", self.static_keys, (True, False))
+        if self.static_keys:  # calibrated in unrotated space, on each channel's fixed range
+            _conflicts("static_keys=True holds calibrated, unrotated key ranges", self,
+                       {"rotation": "none", "rotate": "kv", "v_scale": "minmax", "levels": "uniform", "outliers": 0},
+                       {"rotation": "is not supported with static_keys=True (static key ranges are calibrated in "
+                                    "unrotated space)",
+                        "levels": "is not supported with static_keys=True (the levels are fitted to each group's own "
+                                  "min/max, static keys have none)",
+                        "rotate": "needs a rotation", "v_scale": "needs rotated values",
+                        "outliers": "is not supported with static_keys=True"})
+
+    def _check_values(self) -> None:
+        _check_choice("v_scale", self.v_scale, V_SCALES)
+        if self.v_group_size is not None:
+            _check_positive_int("v_group_size", self.v_group_size)
+            if self.v_group_size % 8:
+                raise ValueError(f"v_group_size={self.v_group_size} must be a multiple of 8 (bit packing works on 8 "
+                                 "values)")
+        if self.v_scale == "norm":
+            if self.rotation == "hadamard" and self.rotate == "k":
+                raise ValueError(f"v_scale='norm' needs rotated values (its levels assume them); got rotation="
+                                 f"{self.rotation!r}, rotate={self.rotate!r}; allowed: rotate 'auto', 'kv' or 'v', or "
+                                 "v_scale='minmax'")
+            _conflicts("v_scale='norm' scales whole heads (no groups, outliers or range clipping)", self,
+                       {"outliers": 0, "clip_search": False, "v_group_size": None}, {}, fix="v_scale='minmax'")
+
+    def _check_kept(self) -> None:
         _check_nonneg_int("sink_tokens", self.sink_tokens)
         _check_nonneg_int("recent_tokens", self.recent_tokens)
-        _check_choice("rope", self.rope, ROPE_MODES)
+        _check_choice("window_bits", self.window_bits, WINDOW_BITS)
+
+    def _check_sliding(self) -> None:
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
         if self.sliding_bits is not None:
             _check_choice("sliding_bits", self.sliding_bits, SUPPORTED_BITS)
@@ -270,13 +246,14 @@ class QuantCacheConfig:
                 raise ValueError(f"sliding_v_bits={self.sliding_v_bits} sets the value width of sliding layers beside "
                                  "their key width, sliding_bits, which is None; allowed: sliding_bits=N with it, or "
                                  "sliding_v_bits=None")
+
+    def _check_other(self) -> None:
         _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
         _check_choice("kernel", self.kernel, KERNELS)
+        for name in ("clip_search", "codebooks"):
+            _check_choice(name, getattr(self, name), (True, False))
         _check_nonneg_int("outliers", self.outliers)
-        self._resolve_defaults()
         if self.outliers:
-            if self.static_keys:
-                raise ValueError("outliers > 0 is not supported with static_keys=True; allowed: outliers=0")
             if max(self.k_group_size, self.v_group_size or 0) > 256:
                 raise ValueError(f"outliers need groups of at most 256 (1-byte offsets); got k_group_size="
                                  f"{self.k_group_size}, v_group_size={self.v_group_size}")
@@ -284,56 +261,6 @@ class QuantCacheConfig:
             if self.outliers >= smallest:
                 raise ValueError(f"outliers={self.outliers} must be smaller than every group (k_group_size="
                                  f"{self.k_group_size}, v_group_size={self.v_group_size or 'auto, >= 8'})")
-        for name in ("clip_search", "codebooks", "static_keys"):
-            _check_choice(name, getattr(self, name), (True, False))
-        _check_choice("rotation", self.rotation, ROTATIONS)
-        _check_nonneg_int("rotation_seed", self.rotation_seed)
-        _check_choice("levels", self.levels, LEVELS)
-        _check_choice("window_bits", self.window_bits, WINDOW_BITS)
-        _check_choice("rotate", self.rotate, ROTATE)
-        if self.rotate != "kv" and self.rotation == "none":
-            raise ValueError(f"rotate={self.rotate!r} needs a rotation; allowed with rotation='none': rotate='kv' (the "
-                             "default), or set rotation='hadamard'")
-        _check_choice("v_scale", self.v_scale, V_SCALES)
-        if self.v_scale == "norm":
-            if self.rotation == "none" or self.rotate == "k":
-                raise ValueError(f"v_scale='norm' needs rotated values (its levels assume them); got rotation="
-                                 f"{self.rotation!r}, rotate={self.rotate!r}; allowed: rotation='hadamard' with rotate "
-                                 "'kv' or 'v', or v_scale='minmax'")
-            for name, off in (("outliers", 0), ("clip_search", False), ("v_group_size", None)):
-                if getattr(self, name) != off:
-                    raise ValueError(f"v_scale='norm' scales whole heads (no groups, outliers or range clipping); got "
-                                     f"{name}={getattr(self, name)!r}; allowed: {name}={off!r}, or v_scale='minmax'")
-        if self.static_keys and self.rotation != "none":
-            raise ValueError(f"rotation={self.rotation!r} is not supported with static_keys=True (static key ranges are "
-                             "calibrated in unrotated space); allowed: rotation='none' or static_keys=False")
-        if self.static_keys and self.levels != "uniform":
-            raise ValueError(f"levels={self.levels!r} is not supported with static_keys=True (the levels are fitted to "
-                             "each group's own min/max, static keys have none); allowed: levels='uniform' or "
-                             "static_keys=False")
-
-    def _resolve_defaults(self) -> None:
-        """Options left at None follow from the others (module docstring: "Defaults")."""
-        for name in ("static_keys", "clip_search"):
-            _check_choice(name, getattr(self, name), (True, False))
-        if self.rotation is None:
-            self.rotation = "none" if self.static_keys else "hadamard"
-        if self.rotate is None:
-            self.rotate = "auto" if self.rotation != "none" else "kv"
-        if self.v_scale is None:
-            rotated_values = self.rotation != "none" and self.rotate in ("auto", "kv", "v")
-            grouped = self.outliers or self.clip_search or self.v_group_size is not None
-            self.v_scale = "norm" if rotated_values and not grouped else "minmax"
-        if self.levels is None:  # Lloyd-Max where every stream `levels` applies to is 2-bit (not "norm" values)
-            pairs = self.layer_bits or ((self.k_bits, self.v_bits),)
-            widths = [kb for kb, _ in pairs] + ([] if self.v_scale == "norm" else [vb for _, vb in pairs])
-            lloyd = max(widths) == 2 and not self.static_keys and self.codebooks is not True
-            self.levels = "lloyd-max" if lloyd else "uniform"
-        if self.codebooks is None:
-            self.codebooks = self.levels == "uniform" and bool(self.codebook_streams())
-        if self.window_bits is None:
-            widths = [b for pair in (self.layer_bits or ((self.k_bits, self.v_bits),)) for b in pair]
-            self.window_bits = 8 if max(widths) <= 4 else 16
 
     def codebook_streams(self) -> str:
         """The streams a calibration file's codebooks apply to: "k" when keys are unrotated, "v" when values are
@@ -364,7 +291,7 @@ class QuantCacheConfig:
         if self.sliding_bits is None:
             return self.for_layer(idx)
         v_bits = self.sliding_bits if self.sliding_v_bits is None else self.sliding_v_bits
-        return dataclasses.replace(self, bits=None, k_bits=self.sliding_bits, v_bits=v_bits, sliding_bits=None,
+        return dataclasses.replace(self, k_bits=self.sliding_bits, v_bits=v_bits, sliding_bits=None,
                                    sliding_v_bits=None)
 
     def holds_window_only(self) -> bool:
@@ -415,38 +342,36 @@ class QuantCacheConfig:
         self.value_group_size(head_dim)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("bits")  # folded into k_bits / v_bits
-        return d
+        """Every option, by name (the complete recipe a calibration file stores)."""
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantCacheConfig":
+        """The recipe `to_dict` wrote: every option named, none unknown."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown, missing = sorted(set(d) - set(names)), [n for n in names if n not in d]
+        if unknown or missing:
+            raise ValueError(f"a recipe names every QuantCacheConfig option once; got unknown {unknown}, missing "
+                             f"{missing}; allowed: {names}")
+        return cls(**d)
+
+    @classmethod
+    def from_legacy_dict(cls, d: dict) -> "QuantCacheConfig":
+        """The options of a file written before recipes were complete (calibration format 1 and 2): an option it
+        leaves out, or holds as None where it now holds a value, is the behaviour from before that option existed
+        (`LEGACY_OPTIONS`); a `bits` entry sets both widths."""
+        d = dict(d)
+        bits = d.pop("bits", None)
+        if bits is not None:
+            d["k_bits"] = d["v_bits"] = bits
+        for name, value in LEGACY_OPTIONS.items():
+            if d.get(name) is None:
+                d[name] = value
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown QuantCacheConfig options {unknown}; allowed: {sorted(names)}")
         return cls(**d)
-
-    @classmethod
-    def overridden(cls, base: dict, overrides: dict) -> "QuantCacheConfig":
-        """`base` (a `to_dict()`, e.g. a calibration file's options) with `overrides` applied. An option of `base`
-        that equals the value its default would resolve to from the rest of `base` counts as a default: it follows
-        the overrides (a file made with the defaults, then `static_keys=True`, gets `rotation="none"`); any other
-        value of `base` stays as it is, and an override that conflicts with it raises."""
-        base = cls.from_dict(base).to_dict()
-        merged = dict(base)
-        for name in AUTO_OPTIONS:
-            if name not in overrides and cls.from_dict({**base, name: None}).to_dict()[name] == base[name]:
-                merged[name] = None
-        # options that depend on each other (levels and codebooks) each look like a default on their own; released
-        # together they may resolve differently: keep base's where `base` alone would not come back
-        for _ in AUTO_OPTIONS:
-            again = cls.from_dict(merged).to_dict()
-            changed = [n for n in AUTO_OPTIONS if merged[n] is None and again[n] != base[n]]
-            if not changed:
-                break
-            merged[changed[0]] = base[changed[0]]
-        return cls.from_dict({**merged, **overrides})
 
     def full_precision_tokens(self, num_tokens: int) -> int:
         """Tokens of a `num_tokens`-long sequence that this layout keeps unquantized in blocks: the sinks and the

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from eval.fidelity import CacheSpec
 from eval.options import parse_cache_options
+from qcache.presets import recipe
 from qcache import QuantCacheConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +18,7 @@ def _config(spec: str) -> QuantCacheConfig:
     parsed = CacheSpec.parse(spec)
     bits, options = parse_cache_options(parsed.options)
     options.pop("calibration", None)
-    return QuantCacheConfig(bits=parsed.bits if bits is None else bits, **options)
+    return recipe(bits=parsed.bits if bits is None else bits, **options)
 
 
 def test_rows_are_valid_and_defaults_row_is_the_defaults():
@@ -29,7 +30,7 @@ def test_rows_are_valid_and_defaults_row_is_the_defaults():
         _config(r["spec"])  # every row builds a valid configuration
     for bits in (3, 2):
         defaults = next(r for r in rows if r["bits"] == bits and r["row"] == "defaults")
-        assert _config(defaults["spec"]).to_dict() == QuantCacheConfig(bits=bits).to_dict()
+        assert _config(defaults["spec"]).to_dict() == recipe(bits=bits).to_dict()
         none = next(r for r in rows if r["bits"] == bits and r["row"] == "none")
         d = _config(none["spec"]).to_dict()
         assert (d["rotation"], d["v_scale"], d["k_group_size"], d["window_bits"]) == ("none", "minmax", 64, 16)

@@ -16,7 +16,7 @@ from qcache.attention import ATTN_IMPLEMENTATION, fp32_sdpa_attention_forward, u
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # a sequential running sum of equal terms stops growing at 2**(significant bits): bf16 has 8, fp16 11
 STALL_TERMS = {torch.bfloat16: 256, torch.float16: 2048}
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)  # as tests/test_cache.py
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)  # as tests/test_cache.py
 
 
 class _Attn(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from conftest import make_model
 from qcache import QuantCache
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
 
 
 def prompt(n=60, seed=1):

@@ -10,11 +10,12 @@ import torch
 from calibration import calibrate
 from calibration.budget import allocate, choose_rotate, measure_sensitivities, needle_floors, plan_bits_per_value
 from conftest import make_model
+from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import load_calibration
 from test_cache import generate, prompt
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2, rotate="v")
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2, rotate="v")
 
 
 # --- options and the cache -------------------------------------------------------------------------------------------
@@ -23,11 +24,11 @@ OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2, ro
     (dict(layer_bits=[[4, 5]]), r"layer_bits\[0\] v_bits=5 is not supported; allowed values: \[2, 3, 4, 8\]"),
     (dict(layer_bits=[]), r"must be a non-empty list of \(k_bits, v_bits\) pairs"),
     (dict(layer_bits=[[4, 4, 4]]), r"must be a non-empty list of \(k_bits, v_bits\) pairs"),
-    (dict(layer_bits=[[4, 4]], bits=3), r"bits=3 and layer_bits both set widths"),
+    (dict(layer_bits=[[4, 4]], bits=3), r"bits=3 and \['layer_bits'\] both set widths"),
 ])
 def test_bad_layer_bits_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        QuantCacheConfig(**kwargs)
+        recipe(**kwargs)
 
 
 def test_layer_bits_build_per_layer_codecs_and_count_their_bytes():
@@ -263,7 +264,7 @@ def test_eval_spec_gives_widths_layer_by_layer():
 def test_choose_rotate_keeps_the_lower_kl_and_resolves_the_rest():
     model = make_model("llama")
     ids = torch.randint(2, 96, (1, 96), generator=torch.Generator().manual_seed(4))
-    opts = QuantCacheConfig(bits=2, k_group_size=16, recent_tokens=4, sink_tokens=2)
+    opts = recipe(bits=2, k_group_size=16, recent_tokens=4, sink_tokens=2)
     chosen, kls = choose_rotate(model, ids, opts, chunk=32)
     assert set(kls) == {"v", "kv", "kv+lloyd-max"} and len(set(kls.values())) == 3
     best = min(kls, key=kls.get)
@@ -274,18 +275,18 @@ def test_choose_rotate_keeps_the_lower_kl_and_resolves_the_rest():
     # levels given (try_levels=False): both choices keep the options' levels, here Lloyd-Max
     _, two = choose_rotate(model, ids, opts, chunk=32, try_levels=False)
     assert two == {"v": kls["v"], "kv": kls["kv+lloyd-max"]}
-    three = QuantCacheConfig(bits=3, k_group_size=16, recent_tokens=4, sink_tokens=2)
+    three = recipe(bits=3, k_group_size=16, recent_tokens=4, sink_tokens=2)
     chosen3, kls3 = choose_rotate(model, ids, three, chunk=32)
     assert chosen3.levels == ("lloyd-max" if min(kls3, key=kls3.get) == "kv+lloyd-max" else "uniform")
     with pytest.raises(ValueError, match="needs rotation='hadamard'"):
-        choose_rotate(model, ids, QuantCacheConfig(bits=2, rotation="none"))
+        choose_rotate(model, ids, recipe(bits=2, rotation="none", rotate="kv", v_scale="minmax"))
 
 
 def test_calibration_stores_the_rotation_choice():
     model = make_model("llama")
     ids = torch.randint(2, 96, (2, 64), generator=torch.Generator().manual_seed(5))
     sens = torch.randint(2, 96, (1, 96), generator=torch.Generator().manual_seed(6))
-    opts = QuantCacheConfig(bits=2, k_group_size=16, recent_tokens=4, sink_tokens=2)
+    opts = recipe(bits=2, k_group_size=16, recent_tokens=4, sink_tokens=2)
     data = calibrate(model, ids, opts, {}, progress=False, sensitivity_ids=sens, choose_rotation=True)
     kls = data.settings["rotate_kl"]
     best = min(kls, key=kls.get)
@@ -312,7 +313,7 @@ def test_rotation_choice_is_measured_at_the_models_full_context(monkeypatch):
 
     monkeypatch.setattr("calibration.run.choose_rotate", fake_choose)
     monkeypatch.setattr("qcache.tools.data.read_split", lambda name: " ".join(f"w{i}" for i in range(5000)))
-    opts = QuantCacheConfig(bits=3, k_group_size=16)
+    opts = recipe(bits=3, k_group_size=16)
     data = calibrate_model(model, WordTokenizer(), opts, "tiny", samples=2, seq_len=32, progress=False,
                            choose_rotation=True)
     assert seen["shape"] == (1, 1024) and data.settings["rotate_tokens"] == 1024

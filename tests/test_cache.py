@@ -5,17 +5,18 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from conftest import make_model
+from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
 from qcache.cache import QuantLayer
 from qcache.tools.footprint import reachable_bytes
 from qcache.rope import RopeHelper
 
 # small blocks so that short prompts exercise sinks, quantized blocks and the residual
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
 # for checks of exact values and byte formulas: no rotation, uniform levels, the residual window as given (the
 # defaults rotate values, put 2-bit keys on Lloyd-Max levels and hold the window 8-bit: tests/test_rotation.py,
 # tests/test_levels.py, tests/test_window.py)
-EXACT = dict(OPTS, rotation="none", levels="uniform", window_bits=16)
+EXACT = dict(OPTS, rotation="none", rotate="kv", levels="uniform", window_bits=16)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # max |logit error| of the 8-bit cache, as a fraction of the logits' std (bf16 adds its own rounding)
 TOL_8BIT = {torch.float32: 0.05, torch.bfloat16: 0.1, torch.float16: 0.1}
@@ -144,7 +145,7 @@ def test_left_padded_batch_rows_match_alone(family, bits, tol):
 def test_padding_never_enters_key_statistics():
     model = make_model("llama")
     rope = RopeHelper(model.config)
-    cfg = QuantCacheConfig(bits=4, k_group_size=16, v_group_size=16, sink_tokens=0, recent_tokens=0)
+    cfg = recipe(bits=4, k_group_size=16, v_group_size=16, v_scale="minmax", sink_tokens=0, recent_tokens=0)
     k = torch.randn(2, 2, 32, 32)
     v = torch.randn(2, 2, 32, 32)
     pos = torch.arange(32).expand(2, 32).clone()
@@ -238,7 +239,7 @@ def test_memory_counts_really_packed_storage(bits):
     assert mem.packed == layers * heads * tq * head_dim * 2 * bits // 8  # K and V, bits/8 bytes per value
     assert mem.full_precision == layers * heads * (150 - tq) * head_dim * 2 * 4  # fp32 model
     assert mem.tokens == 150
-    expected = QuantCacheConfig(bits=bits, **EXACT, scale_dtype="float16").bytes_per_token(
+    expected = recipe(bits=bits, **EXACT, scale_dtype="float16").bytes_per_token(
         layers, heads, head_dim, 150, fp_bytes=4) * 150
     assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)
@@ -334,7 +335,7 @@ def test_token_sliding_layers_hold_their_window_as_rotated_tokens(bits):
 
 def test_token_sliding_layers_without_rotation_use_minmax_groups():
     model = make_model("gemma3")
-    cache = QuantCache(bits=4, sliding_layers="tokens", rotation="none", **OPTS)
+    cache = QuantCache(bits=4, sliding_layers="tokens", rotation="none", rotate="kv", **OPTS)
     logits(model, prompt(60), cache)
     layer = cache.layers[0]
     assert [(c.norm, c.rotation, c.group) for c in layer.window_codecs] == [(False, False, 16)] * 2
@@ -389,7 +390,7 @@ def test_bad_options_raise(kwargs, match):
 def test_group_size_that_does_not_fit_head_dim():
     model = make_model("llama")
     with pytest.raises(ValueError, match=r"v_group_size=64 does not divide head_dim=32.*\[8, 16, 32\]"):
-        logits(model, prompt(10), QuantCache(bits=4, v_group_size=64))
+        logits(model, prompt(10), QuantCache(bits=4, v_group_size=64, v_scale="minmax"))
 
 
 def test_model_without_rope_raises():
@@ -469,14 +470,14 @@ def test_crop_through_a_block_leaves_no_trace():
     ([[0, 1, 2, 4, 5]], "gaps"),
 ])
 def test_positions_that_are_not_one_run_per_row_raise(positions, match):
-    layer = QuantLayer(QuantCacheConfig(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
+    layer = QuantLayer(recipe(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
     with pytest.raises(ValueError, match=match):
         layer.update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32),
                      kwargs={"position_ids": torch.tensor(positions)})
 
 
 def test_left_padding_then_continuation_is_one_run():
-    layer = QuantLayer(QuantCacheConfig(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
+    layer = QuantLayer(recipe(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
     pos = torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])  # row 1: two pads (given 1, as generate gives them)
     layer.update(torch.randn(2, 2, 4, 32), torch.randn(2, 2, 4, 32), kwargs={"position_ids": pos})
     assert layer.first.tolist() == [0, -2]

@@ -11,10 +11,11 @@ from safetensors.torch import load_file, save_file
 
 from calibration import calibrate
 from conftest import make_model
+from qcache.presets import recipe
 from qcache import QuantCacheConfig
 from qcache.calibfile import FORMAT_VERSION, load_calibration, save_calibration
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # conftest's tiny llama
 
 
@@ -22,7 +23,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # conftest's tiny llama
 def good_file(tmp_path_factory):
     model = make_model("llama")
     ids = torch.randint(2, 96, (2, 48), generator=torch.Generator().manual_seed(1))
-    data = calibrate(model, ids, QuantCacheConfig(bits=2, **OPTS), {"data_source": "random ids"}, progress=False)
+    data = calibrate(model, ids, recipe(bits=2, **OPTS), {"data_source": "random ids"}, progress=False)
     return save_calibration(tmp_path_factory.mktemp("calib") / "good.safetensors", data)
 
 
@@ -35,7 +36,19 @@ def _contents(path):
 def test_the_good_file_loads(good_file):
     data = load_calibration(good_file)
     assert sorted(data.layers) == [0, 1] and data.kv_ranges["k_absmax"].shape == (LAYERS, KV_HEADS)
-    assert _contents(good_file)[1]["format_version"] == FORMAT_VERSION == "2"
+    assert _contents(good_file)[1]["format_version"] == FORMAT_VERSION == "3"
+    assert data.recipe == recipe(bits=2, **OPTS)  # the complete recipe it was calibrated with
+    assert set(json.loads(_contents(good_file)[1]["options"])) == set(QuantCacheConfig().to_dict())
+
+
+def test_format_2_options_load_as_the_behaviour_they_were_written_with(good_file, tmp_path):
+    tensors, metadata = _contents(good_file)
+    options = {k: v for k, v in json.loads(metadata["options"]).items() if k not in ("rotation", "rotate", "v_scale")}
+    path = tmp_path / "v2.safetensors"
+    save_file(tensors, str(path), metadata={**metadata, "format_version": "2", "options": json.dumps(options)})
+    data = load_calibration(path)
+    assert (data.recipe.rotation, data.recipe.rotate, data.recipe.v_scale) == ("none", "kv", "minmax")
+    assert data.options == data.recipe.to_dict()  # normalized to the complete recipe on load
 
 
 def test_format_1_file_still_loads(good_file, tmp_path):
@@ -110,14 +123,14 @@ BAD = {
     "tensor-of-no-layer": (_set("layers.7.k_codebook", torch.linspace(0, 1, 4)), r"unexpected tensor 'layers.7"),
     "one-of-the-ranges": (_drop("v_absmax"), r"only \['k_absmax'\] of the K/V ranges; allowed: both"),
     "ranges-in-format-1": (_format_1_with_ranges, r"unexpected tensor 'k_absmax'"),
-    "format-99": (lambda t, m: m.update(format_version="99"), r"format_version='99'; this qcache reads \['1', '2'\]"),
+    "format-99": (lambda t, m: m.update(format_version="99"), r"format_version='99'; this qcache reads \['1', '2', '3'\]"),
     "bad-fingerprint": (_meta("model", lambda m: {**m, "num_key_value_heads": "two"}),
                         r"metadata 'model' num_key_value_heads='two' must be a positive integer"),
     "fingerprint-not-object": (_meta("model", lambda m: [m]), r"metadata 'model' is a list, not a JSON object"),
     "bad-options": (_meta("options", lambda o: {**o, "k_bits": 5}),
                     r"metadata 'options' are not valid.*k_bits=5 is not supported; allowed values: \[2, 3, 4, 8\]"),
     "unknown-option": (_meta("options", lambda o: {**o, "turbo": True}),
-                       r"unknown QuantCacheConfig options \['turbo'\]"),
+                       r"got unknown \['turbo'\], missing \[\]"),
     "layer-out-of-range": (_meta("layers", lambda ids: ids + [9]),
                            r"metadata 'layers' \[9\] outside the model's layers"),
     "unreadable-json": (lambda t, m: m.update(settings="{oops"), r"unreadable metadata"),

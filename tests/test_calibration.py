@@ -9,12 +9,13 @@ from safetensors.torch import load_file, save_file
 from calibration import calibrate, weighted_lloyd
 from calibration.fit import fit_static_key_range
 from conftest import make_model
-from qcache import QuantCache, QuantCacheConfig
+from qcache.presets import recipe
+from qcache import QuantCache
 from qcache.calibfile import load_calibration, save_calibration
 from qcache.cache import QuantLayer
 
 # the calibrated path: unrotated, so the file's codebooks are used (the defaults rotate values and leave them out)
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2, rotation="none")
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2, rotation="none", rotate="kv")
 
 
 def calibration_ids(n=4, length=64, seed=3):
@@ -28,7 +29,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def llama_file(llama, tmp_path_factory):
-    options = QuantCacheConfig(bits=2, levels="uniform", **OPTS)  # uniform levels: the file holds codebooks
+    options = recipe(bits=2, levels="uniform", codebooks=True, **OPTS)  # uniform levels: the file holds codebooks
     data = calibrate(llama, calibration_ids(), options, {"data_source": "random ids"}, progress=False)
     return save_calibration(tmp_path_factory.mktemp("calib") / "llama.qcache.safetensors", data)
 
@@ -70,7 +71,7 @@ def test_round_trip(llama_file, llama):
 
 
 def test_same_inputs_and_seed_give_the_same_tensors(llama, llama_file, tmp_path):
-    again = calibrate(llama, calibration_ids(), QuantCacheConfig(bits=2, **OPTS), {"data_source": "random ids"},
+    again = calibrate(llama, calibration_ids(), recipe(bits=2, **OPTS), {"data_source": "random ids"},
                       progress=False)
     path = save_calibration(tmp_path / "again.safetensors", again)
     a, b = load_file(llama_file), load_file(path)
@@ -102,7 +103,7 @@ def test_static_keys_quantize_on_arrival(llama, llama_file):
 
 def test_gemma3_calibrated_generate(tmp_path):
     model = make_model("gemma3")
-    opts = QuantCacheConfig(bits=3, sliding_layers="quantized", **OPTS)
+    opts = recipe(bits=3, sliding_layers="quantized", **OPTS)
     data = calibrate(model, calibration_ids(), opts, {"data_source": "random ids"}, progress=False)
     assert sorted(data.layers) == [0, 1, 2]  # sliding layers are calibrated when they are quantized
     path = save_calibration(tmp_path / "g.safetensors", data)

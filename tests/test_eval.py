@@ -22,6 +22,7 @@ from eval import compare  # noqa: E402
 from eval.adapter import QCacheLM, chunk_bounds, parse_cache_options  # noqa: E402
 from eval.harness import offline_environment, task_manager  # noqa: E402
 from eval.tasks import qcache_tasks  # noqa: E402
+from qcache.presets import recipe
 from qcache import QuantCache  # noqa: E402
 
 WORDS = 256
@@ -125,10 +126,9 @@ def test_calibration_file_reaches_the_cache(lm, sampled_text, tmp_path):
     """`calibration=<file>` in --model_args builds QuantCache.from_calibration."""
     from calibration import calibrate
     from qcache.calibfile import save_calibration
-    from qcache.config import QuantCacheConfig
 
     ids = torch.tensor([lm.tokenizer(t)["input_ids"][:256] for t in sampled_text])  # [2, 256]
-    data = calibrate(lm.model, ids, QuantCacheConfig(bits=4), {"model": "tiny", "data_source": "sampled"},
+    data = calibrate(lm.model, ids, recipe(bits=4), {"model": "tiny", "data_source": "sampled"},
                      progress=False)
     path = save_calibration(tmp_path / "tiny.qcache.safetensors", data)
     lm.set_cache("quant", calibration=str(path))
@@ -391,7 +391,7 @@ def test_auto_calibration_calibrates_for_the_spec(lm, tmp_path, monkeypatch, cap
     from qcache.calibfile import load_calibration
 
     monkeypatch.setenv("QCACHE_HOME", str(tmp_path))
-    spec = compare.CacheSpec.parse("quant:2:calibration=auto,outliers=1")
+    spec = compare.CacheSpec.parse("quant:2:calibration=auto,outliers=1,v_scale=minmax")
     options = compare.auto_calibration(lm.model, lm.tokenizer, spec)
     progress = capsys.readouterr().err
     assert "calibration forward" in progress and "fit layers" in progress and "100%" in progress  # tqdm bars

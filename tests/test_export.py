@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 
 from calibration import calibrate, collect_statistics
 from conftest import make_model
-from qcache import QuantCacheConfig
+from qcache.presets import recipe
 from qcache.calibfile import CalibrationData, load_calibration, save_calibration
 from qcache.tools.export import (FP8_E4M3_MAX, SCALES_FILE, ExportOptions, export_vllm, fp8_scales, kv_cache_scheme,
                            main, quantization_config)
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
 FAMILIES = ("llama", "gemma3")  # GQA with full attention; MQA with sliding + full layers
 E4M3_MANTISSA_BITS = 3
 E4M3_MIN_NORMAL = 2.0**-6
@@ -37,7 +37,7 @@ def setup(request, tmp_path_factory):
     model = make_model(request.param)
     root = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(root / "model")
-    data = calibrate(model, calibration_ids(), QuantCacheConfig(bits=4, **OPTS), {"data_source": "random ids"},
+    data = calibrate(model, calibration_ids(), recipe(bits=4, **OPTS), {"data_source": "random ids"},
                      progress=False)
     return request.param, model, root / "model", save_calibration(root / "calib.safetensors", data)
 
@@ -188,7 +188,7 @@ def test_sharded_checkpoint_gets_a_scales_shard(tmp_path):
     model.save_pretrained(tmp_path / "model", max_shard_size="60KB")
     index = json.loads((tmp_path / "model" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # really sharded
-    data = calibrate(model, calibration_ids(), QuantCacheConfig(bits=4, **OPTS), {}, progress=False)
+    data = calibrate(model, calibration_ids(), recipe(bits=4, **OPTS), {}, progress=False)
     out = export_vllm(tmp_path / "model", data, tmp_path / "out")
     new_index = json.loads((out / "model.safetensors.index.json").read_text())
     assert {k: v for k, v in new_index["weight_map"].items() if v != SCALES_FILE} == index["weight_map"]

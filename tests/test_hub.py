@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from calibration import calibrate
 from conftest import make_model
-from qcache import QuantCache, QuantCacheConfig, hub
+from qcache.presets import recipe
+from qcache import QuantCache, hub
 from qcache.tools import publish
 from qcache.calibfile import load_calibration, save_calibration
 
@@ -26,7 +27,7 @@ QUALITY = "# KV cache comparison: tiny\n\n| cache | token PPL |\n|---|---:|\n| q
 def calib_file(tmp_path_factory):
     model = make_model("llama")
     ids = torch.randint(2, 96, (2, 48), generator=torch.Generator().manual_seed(2))
-    opts = QuantCacheConfig(bits=2, k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+    opts = recipe(bits=2, k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
     data = calibrate(model, ids, opts, {"model": "tiny-llama", "data_source": "random ids", "data_sha256": "ab" * 32,
                                         "samples": 2, "seq_len": 48}, progress=False)
     return save_calibration(tmp_path_factory.mktemp("calib") / "tiny.qcache.safetensors", data)

@@ -10,7 +10,7 @@ from qcache.attention import fp32_sdpa_attention_forward, use_fp32_attention
 from qcache.codec import ValueCodec
 from qcache.quant import code_planes, dequantize, pack
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
 
 
 def _feed(cache, steps, batch=1, seed=0, dtype=torch.bfloat16, start=0, positions=None):

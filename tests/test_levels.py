@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import make_model
+from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import CalibrationData
 from qcache.cache import model_fingerprint
@@ -17,7 +18,7 @@ from qcache.levels import levels_tensor, lloyd_max_levels
 from qcache.quant import dequantize_grouped, quantize_grouped
 from qcache.rotation import hadamard_rotation
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -118,13 +119,14 @@ def test_levels_option_is_checked():
 
 def test_lloyd_max_with_calibrated_codebooks_raises():
     config = make_model("llama").config
-    data = CalibrationData(model_fingerprint(config), QuantCacheConfig(bits=4, rotation="none").to_dict(), {},
+    data = CalibrationData(model_fingerprint(config), recipe(bits=4, rotation="none", rotate="kv", v_scale="minmax").to_dict(), {},
                            {i: {"k_codebook": torch.linspace(0, 1, 16), "v_codebook": torch.linspace(0, 1, 16)}
                             for i in range(2)})
     assert QuantCache(config, calibration=data).options.codebooks  # the file's levels by default
     with pytest.raises(ValueError, match=r"two sources of levels; allowed: codebooks=False"):
         QuantCache(config, calibration=data, levels="lloyd-max", codebooks=True)
-    # asking for data-free levels turns the codebooks' default off
-    assert not QuantCache(config, calibration=data, levels="lloyd-max").options.codebooks
+    # the file's recipe holds codebooks=True: data-free levels replace it only when codebooks are turned off too
+    with pytest.raises(ValueError, match=r"two sources of levels; allowed: codebooks=False"):
+        QuantCache(config, calibration=data, levels="lloyd-max")
     cache = QuantCache(config, calibration=data, levels="lloyd-max", codebooks=False)  # the data-free levels only
     assert cache.layers[0].consts["k"]["codebook"].tolist() == pytest.approx(lloyd_max_levels(4, cache.options.k_group_size))

@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from qcache.presets import recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("lever_table", ROOT / "bench" / "lever_table.py")
 lt = importlib.util.module_from_spec(_spec)
@@ -44,16 +46,14 @@ def test_levers_and_targets(tmp_path):
 
 def test_resolved_options_win_over_legacy_defaults():
     # a run that recorded its resolved options is read from them; one that did not, with the defaults of its time
-    from qcache import QuantCacheConfig
-
     spec = {"kind": "quant", "bits": 3, "options": {}}
-    now = lt._levers({"spec": spec, "options": QuantCacheConfig(bits=3).to_dict()})
+    now = lt._levers({"spec": spec, "options": recipe(bits=3).to_dict()})
     then = lt._levers({"spec": spec})
     assert (now["rotation"], now["value scale"], now["key block"], now["window bits"]) == ("hadamard (auto)",
                                                                                           "norm", "128", "8")
     assert (then["rotation"], then["value scale"], then["key block"], then["window bits"]) == ("-", "minmax", "64",
                                                                                              "16")
-    sliding = QuantCacheConfig(bits=3, sliding_layers="quantized", sliding_bits=8).to_dict()
+    sliding = recipe(bits=3, sliding_layers="quantized", sliding_bits=8).to_dict()
     assert lt._levers({"spec": spec, "options": sliding})["sliding"] == "8-bit"
 
 

@@ -84,11 +84,11 @@ def test_norm_codec_zero_token_and_bits_per_value():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(v_scale="absmax"), r"v_scale='absmax' is not supported; allowed values: \['minmax', 'norm'\]"),
-    (dict(v_scale="norm", rotation="none"), r"v_scale='norm' needs rotated values .*rotation='none'"),
+    (dict(v_scale="norm", rotation="none"), r"rotation='none' rotates nothing: .*v_scale='norm' needs rotated values"),
     (dict(v_scale="norm", rotation="hadamard", levels="lloyd-max", rotate="k"), r"rotate='k'; allowed"),
-    (dict(NORM, outliers=1), r"got outliers=1; allowed: outliers=0"),
-    (dict(NORM, clip_search=True), r"got clip_search=True; allowed: clip_search=False"),
-    (dict(NORM, v_group_size=32), r"got v_group_size=32; allowed: v_group_size=None"),
+    (dict(NORM, outliers=1), r"got outliers=1; allowed with it: outliers=0, or v_scale='minmax'"),
+    (dict(NORM, clip_search=True), r"got clip_search=True; allowed with it: clip_search=False, or v_scale='minmax'"),
+    (dict(NORM, v_group_size=32), r"got v_group_size=32; allowed with it: v_group_size=None, or v_scale='minmax'"),
     (dict(rotate="q", rotation="hadamard"), r"rotate='q' is not supported; allowed values: \['auto', 'kv', 'k', 'v'\]"),
     (dict(rotate="v", rotation="none"), r"rotate='v' needs a rotation"),
 ])
@@ -137,7 +137,8 @@ def test_rotate_one_stream(rotate):
     """rotate="k" / "v" rotates that stream only: the other codec has no rotation and reads without the matrix;
     the matrix is still counted once, and everything the cache holds is counted."""
     model = make_model("llama")
-    cache = QuantCache(bits=4, rotation="hadamard", rotate=rotate, **OPTS)
+    # min-max values: v_scale="norm" assumes rotated values, which rotate="k" leaves plain
+    cache = QuantCache(bits=4, rotation="hadamard", rotate=rotate, **OPTS, v_scale="minmax", v_group_size=16)
     generate(model, prompt(60), cache, max_new_tokens=4)
     layer = cache.layers[0]
     assert layer.k_codec.rotation == ("k" in rotate) and layer.v_codec.rotation == ("v" in rotate)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from qcache.presets import recipe
 from qcache.tools.footprint import reachable_bytes
 
 from conftest import make_model
@@ -10,7 +11,7 @@ from qcache import QuantCache, QuantCacheConfig
 from qcache.quant import dequantize_grouped, quantize_grouped, scatter_outliers, select_outliers
 
 # unrotated (outliers are the alternative to a rotation for min-max groups)
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2, rotation="none")
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2, rotation="none", rotate="kv")
 
 
 def test_select_outliers_finds_the_farthest_values():
@@ -56,7 +57,7 @@ def test_cache_with_outliers_is_closer_and_counts_its_bytes():
     assert store.view("k_out_idx").shape == (1, 2, nb, 2, 32) and store.view("v_out_idx").shape == (1, 2, tq, 2, 2)
     mem = cache.memory()
     assert mem.outliers == 2 * 2 * 2 * (nb * 32 + tq * 2) * (4 + 1)  # layers x heads x m x count x (fp32 + offset)
-    expected = QuantCacheConfig(bits=2, outliers=2, levels="uniform", **OPTS).bytes_per_token(
+    expected = recipe(bits=2, outliers=2, levels="uniform", **OPTS).bytes_per_token(
         2, 2, 32, 150, fp_bytes=4) * 150
     assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)
@@ -95,11 +96,13 @@ def test_outliers_survive_crop_beam_and_sliding_eviction():
 
 def test_outlier_options_are_checked():
     with pytest.raises(ValueError, match="outliers=16 must be smaller than every group"):
-        QuantCacheConfig(outliers=16, k_group_size=16)
+        QuantCacheConfig(outliers=16, k_group_size=16, v_scale="minmax", v_group_size=16)
     with pytest.raises(ValueError, match="not supported with static_keys=True"):
-        QuantCacheConfig(outliers=1, static_keys=True)
+        QuantCacheConfig(outliers=1, static_keys=True, v_scale="minmax")
     with pytest.raises(ValueError, match="at most 256"):
-        QuantCacheConfig(outliers=1, k_group_size=512)
+        QuantCacheConfig(outliers=1, k_group_size=512, v_scale="minmax")
+    with pytest.raises(ValueError, match=r"v_scale='norm' scales whole heads .*got outliers=1"):
+        QuantCacheConfig(outliers=1)  # the default values have no groups to keep outliers out of
 
 
 def test_calibration_samples_leave_outliers_out():

@@ -8,6 +8,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from conftest import COMMON, make_model
 from kv_checks import compiled_matches_eager, fused_decode_matches_read
+from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import CalibrationData, load_calibration, save_calibration
 from qcache.cache import model_fingerprint
@@ -16,7 +17,7 @@ from qcache.rotation import SharedRotation, check_rotation_dim, hadamard_rotatio
 from test_cache import assert_greedy_agrees, generate, logits, prompt
 
 # the residual window as given, so that the tokens outside the quantized region read back exactly
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2, window_bits=16)
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2, window_bits=16)
 ROT = dict(rotation="hadamard", rotate="kv")
 
 
@@ -82,8 +83,8 @@ def test_head_dim_not_a_multiple_of_8_raises(D):
     config = LlamaConfig(num_hidden_layers=1, **{**COMMON, "head_dim": D})
     for rotate in ("kv", "k", "v"):
         with pytest.raises(ValueError, match=rf"head_dim={D}"):
-            QuantCache(config, rotation="hadamard", rotate=rotate)
-    QuantCache(config, rotation="none")  # without rotation: fine
+            QuantCache(config, rotation="hadamard", rotate=rotate, v_scale="minmax")
+    QuantCache(config, rotation="none", rotate="kv", v_scale="minmax")  # without rotation: fine
 
 
 @pytest.mark.parametrize("D", [0, -8])
@@ -107,7 +108,7 @@ def test_head_dim_80_model_with_4bit_rotated_cache():
     assert layer.quantized_length > 0 and layer.k_codec.rotation and layer.v_codec.rotation
     assert cache.memory().rotation == 80 * 80 * 4
     assert torch.isfinite(out).all()
-    plain = logits(model, ids, QuantCache(bits=4, rotation="none", **OPTS))
+    plain = logits(model, ids, QuantCache(bits=4, rotation="none", rotate="kv", **OPTS))
     # 4 bits: not lossless, but the rotated cache errs no more than twice the unrotated one
     assert (out - ref).abs().max() <= max(2 * (plain - ref).abs().max(), 0.05 * ref.std())
     # 8 bits: near-lossless, the bound test_8bit_forward_with_rotation_near_lossless holds (measured 0.015 vs 0.034)
@@ -129,17 +130,26 @@ def test_bad_options_raise(kwargs, match):
 
 
 def test_options_round_trip_and_old_dicts_load():
-    cfg = QuantCacheConfig(k_bits=3, v_bits=3, rotation="hadamard", rotation_seed=7, levels="lloyd-max")
+    cfg = QuantCacheConfig(k_bits=3, v_bits=3, rotation="hadamard", rotation_seed=7, levels="lloyd-max",
+                           codebooks=False)
     assert QuantCacheConfig.from_dict(cfg.to_dict()) == cfg
-    old = {k: v for k, v in QuantCacheConfig().to_dict().items() if k not in ("rotation", "rotation_seed", "levels")}
-    assert QuantCacheConfig.from_dict(old) == QuantCacheConfig()  # files written before these options
-    with pytest.raises(ValueError, match=r"unknown QuantCacheConfig options \['future'\]"):
+    old = {k: v for k, v in cfg.to_dict().items() if k not in ("rotation", "rotation_seed", "levels", "v_scale",
+                                                              "rotate", "window_bits")}
+    # files written before these options: the behaviour from before them (no rotation, min-max values, 16-bit window)
+    legacy = QuantCacheConfig.from_legacy_dict(old)
+    assert (legacy.rotation, legacy.rotate, legacy.v_scale, legacy.levels, legacy.window_bits) == (
+        "none", "kv", "minmax", "uniform", 16)
+    with pytest.raises(ValueError, match=r"missing \['rotation', 'rotation_seed', 'levels'"):
+        QuantCacheConfig.from_dict(old)  # a complete recipe names every option
+    with pytest.raises(ValueError, match=r"got unknown \['future'\]"):
         QuantCacheConfig.from_dict({**cfg.to_dict(), "future": 1})
+    with pytest.raises(ValueError, match=r"unknown QuantCacheConfig options \['future'\]"):
+        QuantCacheConfig.from_legacy_dict({**old, "future": 1})
 
 
 def test_calibrated_codebooks_go_to_unrotated_streams_only_and_file_keeps_options(tmp_path):
     config = make_model("llama").config
-    options = QuantCacheConfig(bits=4, rotation="hadamard", rotate="kv", codebooks=False).to_dict()
+    options = recipe(bits=4, rotation="hadamard", rotate="kv", codebooks=False).to_dict()
     levels = {i: {"k_codebook": torch.linspace(0, 1, 16) ** 2, "v_codebook": torch.linspace(0, 1, 16) ** 3}
               for i in range(2)}
     data = CalibrationData(model_fingerprint(config), options, {}, levels)
@@ -193,7 +203,7 @@ def test_2bit_rotation_reads_outlier_states_closer(rope):
     k, v = _outlier_states(0), _outlier_states(1)
     errs = {}
     for rot in ("none", "hadamard"):
-        cache = QuantCache(config, bits=2, rotation=rot, rope=rope, **({"rotate": "kv"} if rot != "none" else {}),
+        cache = QuantCache(config, bits=2, rotation=rot, rope=rope, rotate="kv",
                            levels="uniform", **OPTS)  # uniform levels on both sides: rotation is what differs
         cache.update(k, v, 0, kwargs={"position_ids": torch.arange(80)[None]})
         layer = cache.layers[0]
@@ -242,7 +252,7 @@ def test_default_options_rotate_values_only():
     generate(model, prompt(40), cache, max_new_tokens=2)
     assert cache.memory().rotation == 32 * 32 * 4 and "rotation" not in cache.layers[0].consts["k"]
     assert not cache.layers[0].k_codec.rotation and cache.layers[0].v_codec.rotation
-    plain = QuantCache(bits=4, rotation="none", **OPTS)
+    plain = QuantCache(bits=4, rotation="none", rotate="kv", **OPTS)
     generate(model, prompt(40), plain, max_new_tokens=2)
     assert plain.memory().rotation == 0 and not plain.layers[0].v_codec.rotation
 

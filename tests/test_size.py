@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from qcache.config import QuantCacheConfig
+from qcache.presets import recipe
 from qcache.tools.size import (
     FORMATS,
     GIB,
@@ -133,7 +133,7 @@ def test_qcache_rows_smaller_than_16bit_and_ordered_by_bits(layers, kv_heads, he
 def test_qcache_rows_match_quant_cache_config(bits):
     g, context = Geometry(32, 8, 128), 131072
     row = _row(size_table(g, context), f"qcache-{bits}bit")
-    assert row["bytes_per_token"] == QuantCacheConfig(bits=bits).bytes_per_token(32, 8, 128, context, fp_bytes=2)
+    assert row["bytes_per_token"] == recipe(bits=bits).bytes_per_token(32, 8, 128, context, fp_bytes=2)
 
 
 def test_size_table_rows_in_format_order():
@@ -175,7 +175,7 @@ def test_sliding_layers_cost_nothing_extra_within_the_window():
 @pytest.mark.parametrize("mode", ["native", "quantized"])
 def test_qcache_sliding_mode(mode):
     g = Geometry(6, 2, 64, sliding_layers=5, sliding_window=512)
-    _, sliding = cache_bytes(g, "qcache-4bit", 32768, QuantCacheConfig(sliding_layers=mode))
+    _, sliding = cache_bytes(g, "qcache-4bit", 32768, {"sliding_layers": mode})
     sixteen = cache_bytes(g, "16-bit", 32768)[1]
     assert sliding == sixteen if mode == "native" else sliding < sixteen
 
@@ -352,7 +352,7 @@ def test_cli_bad_input_exits_with_the_value_named(argv, match, capsys, fake_mode
 
 def test_8bit_sliding_layers_are_estimated_as_their_window_in_8bit_tokens():
     g = Geometry(6, 2, 64, sliding_layers=5, sliding_window=512)
-    cfg = QuantCacheConfig(sliding_layers="quantized", sliding_bits=8)
+    cfg = {"sliding_layers": "quantized", "sliding_bits": 8}
     _, sliding = cache_bytes(g, "qcache-4bit", 32768, cfg)
     # per sliding layer: 512 tokens x 2 heads x K and V x (64 one-byte codes + a float16 scale and zero), + the
     # int64 first position
@@ -363,8 +363,9 @@ def test_8bit_sliding_layers_are_estimated_as_their_window_in_8bit_tokens():
 @pytest.mark.parametrize("rotation,per_token", [("hadamard", 64 // 2 + 2), ("none", 64 // 2 + 64 // 16 * 4)])
 def test_token_sliding_layers_are_estimated_as_their_window_of_4bit_tokens(rotation, per_token):
     g = Geometry(6, 2, 64, sliding_layers=5, sliding_window=512)
-    cfg = QuantCacheConfig(sliding_layers="tokens", sliding_bits=4, rotation=rotation, v_group_size=None
-                           if rotation == "hadamard" else 16)
+    cfg = {"sliding_layers": "tokens", "sliding_bits": 4, "rotation": rotation}
+    if rotation == "none":
+        cfg.update(v_group_size=16, rotate="kv", v_scale="minmax")
     _, sliding = cache_bytes(g, "qcache-2bit", 32768, cfg)
     # per sliding layer: 512 tokens x 2 heads x K and V x (32 bytes of 4-bit codes + one float16 scale, or a scale
     # and a zero per 16 channels unrotated), + the int64 first position
@@ -373,7 +374,7 @@ def test_token_sliding_layers_are_estimated_as_their_window_of_4bit_tokens(rotat
 
 def test_split_token_sliding_layers_are_estimated_per_stream():
     g = Geometry(6, 2, 64, sliding_layers=5, sliding_window=512)
-    cfg = QuantCacheConfig(sliding_layers="tokens", sliding_bits=8, sliding_v_bits=4)
+    cfg = {"sliding_layers": "tokens", "sliding_bits": 8, "sliding_v_bits": 4}
     _, sliding = cache_bytes(g, "qcache-2bit", 32768, cfg)
     # keys: 64 one-byte codes + a float16 scale and zero; values: 32 bytes of 4-bit codes + one float16 scale
     assert sliding == pytest.approx(5 * (512 * 2 * ((64 + 4) + (32 + 2)) + 8))

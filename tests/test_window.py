@@ -7,11 +7,12 @@ import torch
 from transformers import DynamicCache
 
 from conftest import make_model
+from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
 from qcache.tools.footprint import reachable_bytes
 from test_cache import assert_greedy_agrees, generate, logits, prompt
 
-OPTS = dict(k_group_size=16, v_group_size=16, recent_tokens=4, sink_tokens=2)
+OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
 
 
 def test_bad_window_bits_raise():
@@ -43,7 +44,7 @@ def test_window_bytes_are_counted(bits):
     logits(model, prompt(150), cache)
     mem = cache.memory()
     heads, head_dim, layers = 2, 32, 2
-    expected = QuantCacheConfig(bits=bits, window_bits=8, **OPTS).bytes_per_token(layers, heads, head_dim, 150,
+    expected = recipe(bits=bits, window_bits=8, **OPTS).bytes_per_token(layers, heads, head_dim, 150,
                                                                                   fp_bytes=4) * 150
     assert mem.total - mem.reserved - mem.rope - mem.rotation - mem.codebooks == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)

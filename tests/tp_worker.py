@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 PROMPT = [[5, 17, 42, 9, 77, 31, 64, 12, 88, 3, 51, 26, 70, 44, 19, 60, 8, 35, 93, 22]]
 NEW_TOKENS = 24
-CACHE_OPTIONS = {"bits": 8, "k_group_size": 16, "v_group_size": 16, "recent_tokens": 4, "sink_tokens": 2}
+CACHE_OPTIONS = {"bits": 8, "k_group_size": 16, "v_group_size": 16, "v_scale": "minmax", "recent_tokens": 4, "sink_tokens": 2}
 
 
 def main(model_dir: str, out_dir: str) -> None:

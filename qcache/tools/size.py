@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from qcache.config import SLIDING_MODES, SUPPORTED_BITS, QuantCacheConfig
+from qcache.presets import recipe
 
 __all__ = [
     "PLAIN_FORMATS",
@@ -216,11 +217,12 @@ class Geometry:
 
 
 def cache_bytes(geometry: Geometry, fmt: str, num_tokens: int,
-                qcache: QuantCacheConfig | None = None) -> tuple[float, float]:
+                qcache: dict | None = None) -> tuple[float, float]:
     """Bytes one sequence of `num_tokens` tokens holds in `fmt`, as (full layers, sliding layers).
 
-    `qcache` gives the qcache options other than the bit width (default `QuantCacheConfig()`); its `sliding_layers`
-    decides whether sliding layers stay 16-bit ("native") or are quantized too.
+    `qcache` gives the qcache options other than the bit width (`QuantCacheConfig` fields), applied to the preset row
+    of each width (`qcache.presets.recipe`); its `sliding_layers` decides whether sliding layers stay 16-bit
+    ("native") or are quantized too.
     """
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not supported; allowed values: {list(FORMATS)}")
@@ -232,8 +234,7 @@ def cache_bytes(geometry: Geometry, fmt: str, num_tokens: int,
         full = kv_bytes_per_token(g.full_layers, g.kv_heads, g.head_dim, bpv) * num_tokens
         sliding = kv_bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, bpv) * sliding_tokens
         return full, sliding
-    # the width replaced, the options that follow from it (the window's) resolved again
-    cfg = QuantCacheConfig.overridden((qcache or QuantCacheConfig()).to_dict(), {"bits": QCACHE_FORMATS[fmt]})
+    cfg = recipe(bits=QCACHE_FORMATS[fmt], **(qcache or {}))
     full = cfg.bytes_per_token(g.full_layers, g.kv_heads, g.head_dim, num_tokens) * num_tokens
     if not sliding_tokens:
         sliding = 0.0
@@ -252,7 +253,7 @@ def cache_bytes(geometry: Geometry, fmt: str, num_tokens: int,
 
 def size_table(geometry: Geometry, context: int, budget_bytes: float = 24 * GIB, request_tokens: int = 8192,
                weights_bytes: float | None = None, formats: Sequence[str] = FORMATS,
-               qcache: QuantCacheConfig | None = None) -> list[dict]:
+               qcache: dict | None = None) -> list[dict]:
     """One row per format: bytes/token (averaged over `context`), GiB at `context` (full / sliding layers and total),
     requests of `request_tokens` that fit in `budget_bytes`, and, given `weights_bytes`, the context at which the
     cache grows larger than the weights.
@@ -457,8 +458,9 @@ def _run(args: argparse.Namespace) -> dict:
         _check_positive("--weights-gib", args.weights_gib)
         weights_bytes, weights_source = args.weights_gib * GIB, "--weights-gib"
     _check_positive("--budget-gib", args.budget_gib)
-    qcache = QuantCacheConfig(k_group_size=args.k_group_size, v_group_size=args.v_group_size,
-                              sliding_layers=args.qcache_sliding)
+    qcache = {"k_group_size": args.k_group_size, "v_group_size": args.v_group_size,
+              "sliding_layers": args.qcache_sliding}
+    recipe(**qcache)  # refused here, before any row, if the options do not hold together
     rows = size_table(geometry, context, args.budget_gib * GIB, args.request_tokens, weights_bytes,
                       args.formats, qcache)
     return {
@@ -469,7 +471,7 @@ def _run(args: argparse.Namespace) -> dict:
         "request_tokens": args.request_tokens,
         "weights_bytes": weights_bytes,
         "weights_source": weights_source,
-        "qcache": qcache.to_dict(),
+        "qcache": qcache,
         "rows": rows,
     }
 
