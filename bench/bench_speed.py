@@ -55,9 +55,10 @@ from qcache.tools.models import load_model
 log = logging.getLogger("bench_speed")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 ATTENTIONS = {"sdpa": "sdpa", "fp32": ATTN_IMPLEMENTATION}  # row suffix -> attn_implementation
-# quant rows without "+kernel" use the default kernel="auto" (compiled where torch.compile works); "+eager" rows show
-# what the eager read costs
-DEFAULT_ROWS = ["default", "default@fp32", "quant:8", "quant:4", "quant:4@fp32", "quant:4+eager", "quant:4+eager@fp32",
+# quant rows without a kernel option use the row's kernel="auto" (compiled where torch.compile works); kernel=eager rows
+# show what the eager read costs (labelled "+eager")
+DEFAULT_ROWS = ["default", "default@fp32", "quant:8", "quant:4", "quant:4@fp32", "quant:4:kernel=eager",
+                "quant:4:kernel=eager@fp32",
                 "quant:2", "hf-quanto:4", "hf-quanto:4@fp32"]
 DEFAULT_RSS_ROWS = ["default", "quant:8", "quant:4", "quant:2", "hf-quanto:4", "hf-hqq:4"]
 BASE = "default"  # the row every ratio is taken against: DynamicCache with stock sdpa
@@ -69,40 +70,49 @@ BASE = "default"  # the row every ratio is taken against: DynamicCache with stoc
 
 @dataclass(frozen=True)
 class Row:
-    """One benchmarked configuration, written `kind[:bits][+kernel][@attn]` (e.g. `quant:4+eager@fp32`)."""
+    """One benchmarked configuration: a cache spec (`qcache.tools.spec`: `KIND[:BITS][:NAME=VALUE,...]`) and, after
+    `@`, how the model attends (`sdpa` when left out, `fp32` for qcache's fp32 attention), e.g.
+    `quant:4:kernel=eager@fp32`."""
 
     kind: str
     bits: int | None = None
     attn: str = "sdpa"
-    kernel: str | None = None  # QuantCacheConfig.kernel (quant rows only); None: the config's default
+    options: tuple = ()  # (name, typed value) pairs, QuantCacheConfig fields (quant rows only)
 
     @classmethod
     def parse(cls, spec: str) -> "Row":
+        from eval.caches import CACHE_KINDS
+        from qcache.tools.spec import parse_spec, typed_options
+
         body, _, attn = spec.partition("@")
-        body, _, kernel = body.partition("+")
-        kind, _, bits = body.partition(":")
         attn = attn or "sdpa"
         if attn not in ATTENTIONS:
             raise ValueError(f"row {spec!r}: attention {attn!r} is not supported; allowed: {list(ATTENTIONS)}")
-        if kernel and kind != "quant":
-            raise ValueError(f"row {spec!r}: a kernel (+{kernel}) applies to quant rows only")
-        return cls(kind, int(bits) if bits else None, attn, kernel or None)
+        kind, bits, options = parse_spec(body, CACHE_KINDS)
+        if options and kind != "quant":
+            raise ValueError(f"row {spec!r}: options {sorted(options)} apply to quant rows only")
+        return cls(kind, bits, attn, tuple(typed_options(options).items()))
 
     @property
     def spec(self) -> str:
-        bits = "" if self.bits is None else f":{self.bits}"
-        kernel = "" if self.kernel is None else f"+{self.kernel}"
-        return f"{self.kind}{bits}{kernel}" + ("" if self.attn == "sdpa" else f"@{self.attn}")
+        bits = "" if self.bits is None else str(self.bits)
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        body = self.kind + (f":{bits}" if bits or opts else "") + (f":{opts}" if opts else "")
+        return body + ("" if self.attn == "sdpa" else f"@{self.attn}")
+
+    @property
+    def kernel(self) -> str | None:
+        """QuantCacheConfig.kernel this row asks for; None: the row's own."""
+        return dict(self.options).get("kernel")
 
     @property
     def label(self) -> str:
         name = self.kind if self.bits is None else f"{self.kind}-{self.bits}bit"
-        name += "" if self.kernel is None else f"+{self.kernel}"
+        name += "".join(f"+{v}" if k == "kernel" else f"+{k}={v}" for k, v in self.options)
         return name if self.attn == "sdpa" else f"{name}@{self.attn}"
 
     def make_cache(self, config):
-        options = {} if self.kernel is None else {"kernel": self.kernel}
-        return build_cache(self.kind, config, self.bits, **options)
+        return build_cache(self.kind, config, self.bits, **dict(self.options))
 
     def apply_attention(self, model) -> None:
         if self.attn == "sdpa":
@@ -690,7 +700,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs/results/speed", help="output path without extension (.json and .md)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
     p.add_argument("--rows", nargs="*", default=DEFAULT_ROWS,
-                   help="caches as kind[:bits][@fp32] (kinds: default, quant, hf-quanto, hf-hqq, hf-fp8); "
+                   help="caches as KIND[:BITS][:NAME=VALUE,...][@fp32] (kinds: default, quant, hf-quanto, hf-hqq, "
+                        "hf-fp8; @fp32: qcache's fp32 attention); "
                         "'default' (DynamicCache, stock sdpa) is always included")
     p.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 8192], help="decode context lengths")
     p.add_argument("--rounds", type=int, default=3, help="decode rounds per context (rows interleaved)")

@@ -51,7 +51,7 @@ log = logging.getLogger("gpu_check")
 
 TOTAL_BUDGET_S = 480  # the whole run, CUDA
 QUANTO_ROW = "hf-quanto:4"
-DECODE_ROWS = ("default", "default@fp32", "quant:4", "quant:4+eager", "quant:4@fp32", QUANTO_ROW)
+DECODE_ROWS = ("default", "default@fp32", "quant:4", "quant:4:kernel=eager", "quant:4@fp32", QUANTO_ROW)
 # path -> (QuantCacheConfig.kernel, attention); each is compared with the eager path of the same attention
 PATHS = {"eager": ("eager", "sdpa"), "eager@fp32": ("eager", "fp32"), "compiled": ("compiled", "sdpa"),
          "fused": ("compiled", "fp32")}
@@ -375,7 +375,7 @@ def section_paths(sec: Section, ctx: Context) -> dict:
 
 def _row(spec: str):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_speed import Row  # the speed benchmark's row grammar: kind[:bits][+kernel][@attn]
+    from bench_speed import Row  # the speed benchmark's rows: a cache spec, then @attention
 
     return Row.parse(spec)
 

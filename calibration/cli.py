@@ -10,7 +10,8 @@
 `--bits-per-value B` also chooses one (k_bits, v_bits) per layer within B bits/value at `--context` tokens
 (calibration/budget.py: each layer's keys and values measured at 2, 3 and 4 bits on `--sensitivity-samples`
 sequences of `--sensitivity-len` tokens, then a greedy allocation) and stores them as the file's `layer_bits`.
-`--option NAME=VALUE` sets any other QuantCacheConfig option stored with the file (and used for the measurement).
+`--option NAME=VALUE` sets any other QuantCacheConfig option stored with the file (and used for the measurement);
+`--cache quant:3:rotate=v,recent_tokens=64` gives the cache in the spec syntax of eval and bench instead.
 With a rotation (the default: values rotated) and no `--option rotate=`, the calibration also measures whether this
 model's keys should be rotated too (`rotate="kv"`, also on Lloyd-Max levels: KL on held-in text for each, on
 `--rotation-samples` sequences of `--rotation-len` tokens, by default the model's maximum context: `--choose-rotation`)
@@ -26,6 +27,7 @@ that folder through huggingface_hub (refused under HF_HUB_OFFLINE=1). Load it wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -155,26 +157,34 @@ def calibrate_model(model, tokenizer, options: QuantCacheConfig, model_name: str
 
 
 def parse_option(text: str) -> tuple[str, object]:
-    """"NAME=VALUE" -> (name, value typed as the QuantCacheConfig field: int, bool, str or None)."""
-    import dataclasses
+    """"NAME=VALUE" -> (name, value typed as the QuantCacheConfig field, `qcache.tools.spec.typed_option`)."""
+    from qcache.tools.spec import typed_option
 
-    fields = {f.name: f for f in dataclasses.fields(QuantCacheConfig) if f.name not in ("bits", "layer_bits")}
     name, sep, raw = text.partition("=")
+    fields = sorted(f.name for f in dataclasses.fields(QuantCacheConfig) if f.name != "layer_bits")
     if not sep or name not in fields:
-        raise ValueError(f"--option {text!r}: expected NAME=VALUE with NAME one of {sorted(fields)}")
-    kind = str(fields[name].type)
-    if raw.lower() == "none" and "None" in kind:
-        return name, None
-    if kind.startswith("bool"):
-        if raw.lower() not in ("true", "false"):
-            raise ValueError(f"--option {text!r}: {name} is true or false")
-        return name, raw.lower() == "true"
-    if kind.startswith("int"):
-        try:
-            return name, int(raw)
-        except ValueError:
-            raise ValueError(f"--option {text!r}: {name} is an integer") from None
-    return name, raw
+        raise ValueError(f"--option {text!r}: expected NAME=VALUE with NAME one of {fields}")
+    try:
+        return name, typed_option(name, raw)
+    except ValueError as err:
+        raise ValueError(f"--option {text!r}: {err}") from None
+
+
+def cache_options(spec: str) -> dict:
+    """`--cache quant[:BITS][:NAME=VALUE,...]` (the spec syntax of eval and bench, `qcache.tools.spec`) -> the options
+    given, typed, with `bits` as k_bits and v_bits."""
+    from qcache.tools.spec import parse_spec, typed_options
+
+    _, bits, raw = parse_spec(spec, ("quant",))
+    given = typed_options(raw)
+    if "layer_bits" in given:
+        raise ValueError(f"--cache {spec!r}: layer_bits is what --bits-per-value chooses; allowed: leave it out")
+    if bits is not None:
+        if {"k_bits", "v_bits", "preset"} & set(given):
+            raise ValueError(f"--cache {spec!r}: bits={bits} and {sorted({'k_bits', 'v_bits', 'preset'} & set(given))} "
+                             "both choose the widths; allowed: one of them")
+        given = {"k_bits": bits, "v_bits": bits, **given}
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                         "rotate= is given)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="any other QuantCacheConfig option stored with the file (repeatable)")
+    p.add_argument("--cache", metavar="SPEC",
+                   help="the cache as eval and bench write it, quant[:BITS][:NAME=VALUE,...] (e.g. quant:3:rotate=v, "
+                        "quant::preset=k3v2); instead of --bits, --k-bits, --v-bits, --static-keys, --outliers, --option")
     p.add_argument("--bits-per-value", type=float,
                    help="choose per-layer widths (2/3/4 bits for keys and values) within this budget of bits/value")
     p.add_argument("--needle-floor", type=float, metavar="NATS",
@@ -257,14 +270,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from qcache.tools.models import load_model
 
-    opts = {"k_bits": args.k_bits or args.bits or 4, "v_bits": args.v_bits or args.bits or 4}
-    if args.static_keys is not None:
-        opts["static_keys"] = args.static_keys
-    if args.outliers is not None:
-        opts["outliers"] = args.outliers
     try:
-        opts.update(parse_option(text) for text in args.option)
-        options = recipe(**opts)
+        if args.cache is not None:
+            also = [flag for flag, value in (("--bits", args.bits), ("--k-bits", args.k_bits), ("--v-bits", args.v_bits),
+                                             ("--static-keys", args.static_keys), ("--outliers", args.outliers),
+                                             ("--option", args.option or None)) if value is not None]
+            if also:
+                p.error(f"--cache {args.cache!r} gives the whole cache; allowed without it: {', '.join(also)}")
+            opts = cache_options(args.cache)
+            options = recipe(preset=opts.pop("preset", None), **opts)
+        else:
+            opts = {"k_bits": args.k_bits or args.bits or 4, "v_bits": args.v_bits or args.bits or 4}
+            if args.static_keys is not None:
+                opts["static_keys"] = args.static_keys
+            if args.outliers is not None:
+                opts["outliers"] = args.outliers
+            opts.update(parse_option(text) for text in args.option)
+            options = recipe(**opts)
     except ValueError as err:
         p.error(str(err))
     choose_default, try_levels = rotation_choice(options, opts)

@@ -58,22 +58,15 @@ class CacheSpec:
 
     @classmethod
     def parse(cls, text: str) -> "CacheSpec":
-        """'quant:4:recent_tokens=0' -> CacheSpec('quant', 4, {'recent_tokens': '0'})."""
+        """'quant:4:recent_tokens=0' -> CacheSpec('quant', 4, {'recent_tokens': '0'}) (`qcache.tools.spec`)."""
         from eval.caches import CACHE_KINDS
+        from qcache.tools.spec import parse_spec
 
-        kind, _, rest = text.partition(":")
-        bits, _, opts = rest.partition(":")
-        if kind not in CACHE_KINDS:
-            raise argparse.ArgumentTypeError(f"cache {text!r}: kind {kind!r} not in {list(CACHE_KINDS)}")
-        if bits and not bits.isdigit():
-            raise argparse.ArgumentTypeError(f"cache {text!r}: bits {bits!r} must be an integer")
-        options = {}
-        for item in filter(None, opts.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise argparse.ArgumentTypeError(f"cache {text!r}: option {item!r} must be KEY=VALUE")
-            options[key] = value
-        return cls(kind, int(bits) if bits else None, options)
+        try:
+            kind, bits, options = parse_spec(text, CACHE_KINDS)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return cls(kind, bits, options)
 
     @property
     def label(self) -> str:

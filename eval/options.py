@@ -9,9 +9,8 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-
-from qcache.config import QuantCacheConfig, format_layer_bits, parse_layer_bits
+from qcache.config import format_layer_bits, parse_layer_bits
+from qcache.tools.spec import RECIPE_OPTIONS, to_bool, to_int, typed_option
 from qcache.tools.data import chunk_bounds  # the pieces every cache is fed in (the needles use it too)
 
 __all__ = ["CACHE_OPTIONS", "MODEL_DTYPES", "check_positive_int", "chunk_bounds", "model_dtype", "format_layer_bits", "parse_cache_options", "parse_layer_bits", "to_bool",
@@ -20,11 +19,7 @@ __all__ = ["CACHE_OPTIONS", "MODEL_DTYPES", "check_positive_int", "chunk_bounds"
 # QuantCacheConfig fields a user may set, the width (`bits`: the preset row of that width) or row (`preset`), plus
 # the calibration file and what chooses a per-layer plan (`layer_bits` is written as `parse_layer_bits` reads it;
 # `calibration=auto,bits_per_value=B` chooses one for a budget)
-CACHE_OPTIONS = ("bits",) + tuple(f.name for f in dataclasses.fields(QuantCacheConfig)) + (
-    "calibration", "bits_per_value", "needle_floor", "needle_length", "preset")
-_INT_OPTIONS = {"bits"} | {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type).startswith("int")}
-_BOOL_OPTIONS = {f.name for f in dataclasses.fields(QuantCacheConfig) if str(f.type) in ("bool", "bool | None")}
-_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+CACHE_OPTIONS = RECIPE_OPTIONS + ("calibration", "bits_per_value", "needle_floor", "needle_length")
 
 
 # model weights' dtypes the runners accept, by name (torch dtypes looked up when used: this module stays import-light)
@@ -46,33 +41,6 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
-def to_int(name: str, value) -> int | None:
-    """An int option as lm-eval may hand it over: int, digit string, or None/"none"."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be an integer")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    raise ValueError(f"{name}={value!r} must be an integer")
-
-
-def to_bool(name: str, value) -> bool | None:
-    """A bool option as lm-eval may hand it over: bool, 0/1, or true/false/yes/no in any case."""
-    if value is None or isinstance(value, bool):
-        return value
-    key = str(value).strip().lower()
-    if key in ("", "none"):
-        return None
-    if key not in _BOOLS:
-        raise ValueError(f"{name}={value!r} must be a boolean (true/false)")
-    return _BOOLS[key]
-
-
 def parse_cache_options(options: dict) -> tuple[int | None, dict]:
     """Split `--model_args` cache options into (bits, other options), with ints and bools parsed.
 
@@ -85,12 +53,10 @@ def parse_cache_options(options: dict) -> tuple[int | None, dict]:
         raise ValueError(f"unknown cache options {unknown}; allowed: {sorted(CACHE_OPTIONS)}")
     parsed = {}
     for name, value in options.items():
-        if name == "layer_bits" and value is not None:
-            value = parse_layer_bits(value)
-        elif name in _INT_OPTIONS or name == "needle_length":
+        if name in RECIPE_OPTIONS:
+            value = typed_option(name, value)
+        elif name == "needle_length":
             value = to_int(name, value)
-        elif name in _BOOL_OPTIONS:
-            value = to_bool(name, value)
         elif name in ("bits_per_value", "needle_floor") and value is not None:
             try:
                 value = float(value)

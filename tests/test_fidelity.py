@@ -366,9 +366,9 @@ def test_build_needles_rejects_bad_sizes(kwargs, match):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--caches", "bogus:4"], "kind 'bogus' not in"),
+    (["--caches", "bogus:4"], "kind 'bogus' is not supported; allowed"),
     (["--caches", "quant:four"], "bits 'four' must be an integer"),
-    (["--caches", "quant:4:recent_tokens"], "must be KEY=VALUE"),
+    (["--caches", "quant:4:recent_tokens"], "must be NAME=VALUE"),
     (["--caches", "quant:4", "quant:4"], "listed more than once"),
     (["--context", "0"], "context=0 must be a positive integer"),
     (["--docs", "0"], "docs=0 must be a positive integer"),
