@@ -1,11 +1,11 @@
-"""Flush micro-benchmark: the time to append one key block to a QuantLayer that already stores N tokens.
+"""Flush micro-benchmark: the time to append one key block to a BlockLayer that already stores N tokens.
 
     python bench/bench_flush.py                          # writes docs/results/flush.{json,md}
     python bench/bench_flush.py --stored 1024 131072 --repeats 200
 
 A tiny layer (CPU, bf16, 2 kv heads, head_dim 64, 4 bits, k_group_size 64, rope="post" so that only the store is
 timed) is filled to N stored tokens, then one block of 64 new tokens is put in the residual and quantized into the
-store (`QuantLayer._flush`: encode + append). Appending must cost the same whatever N is: the store is preallocated
+store (`BlockLayer._flush`: encode + append). Appending must cost the same whatever N is: the store is preallocated
 and written in place, growing by a fraction of what it holds (qcache/store.py), where concatenating every stored
 tensor per flush costs O(N). Reported: the median and mean time per appended block at each N (the mean includes the
 occasional reallocation, amortized), and the ratio to the smallest N. Not a test.
@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from qcache import __version__
 from qcache.presets import recipe
-from qcache.cache import QuantLayer
+from qcache.layers import BlockLayer
 
 H, D, G = 2, 64, 64
 
@@ -39,10 +39,10 @@ def _git() -> dict:
     return {"commit": run("git", "rev-parse", "HEAD"), "clean": run("git", "status", "--porcelain") == ""}
 
 
-def filled_layer(stored: int) -> QuantLayer:
+def filled_layer(stored: int) -> BlockLayer:
     """A layer holding `stored` tokens (sinks + quantized blocks + residual), filled in big chunks."""
     cfg = recipe(bits=4, k_group_size=G, rope="post", recent_tokens=128)
-    layer = QuantLayer(cfg, 0, None)
+    layer = BlockLayer(cfg, 0, None)
     g = torch.Generator().manual_seed(0)
     done = 0
     while done < stored:
@@ -53,7 +53,7 @@ def filled_layer(stored: int) -> QuantLayer:
     return layer
 
 
-def time_appends(layer: QuantLayer, repeats: int) -> list[float]:
+def time_appends(layer: BlockLayer, repeats: int) -> list[float]:
     """Seconds per appended block: 64 tokens into the residual, then the flush that quantizes them into the store."""
     g = torch.Generator().manual_seed(1)
     block = torch.randn(1, H, G, D, generator=g).to(torch.bfloat16)

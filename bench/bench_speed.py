@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from qcache import QuantCache, __version__
-from qcache.cache import QuantLayer
+from qcache.layers import BlockLayer
 from qcache.attention import ATTN_IMPLEMENTATION, fp32_sdpa_attention_forward, use_fp32_attention
 from eval.caches import build_cache
 from qcache.tools.data import token_sequences
@@ -240,8 +240,8 @@ def measure_prefill(model, ids, rows: list[Row], contexts: list[int], repeats: i
 class _Regions:
     """Wraps qcache's cache internals in torch.profiler record_function ranges while profiling (restored after)."""
 
-    TARGETS = [("qcache.cache", "QuantLayer", "update"), ("qcache.cache", "QuantLayer", "_flush"),
-               ("qcache.cache", "QuantLayer", "read"), ("qcache.cache", "QuantLayer", "decode_attention"),
+    TARGETS = [("qcache.layers", "BlockLayer", "update"), ("qcache.layers", "BlockLayer", "_flush"),
+               ("qcache.layers", "BlockLayer", "read"), ("qcache.layers", "BlockLayer", "decode_attention"),
                ("qcache.rope", "RopeHelper", "redo"), ("qcache.rope", "RopeHelper", "cos_sin")]
 
     def __enter__(self):
@@ -279,9 +279,9 @@ def profile_decode(model, row: Row, cache, token, steps: int, top: int) -> dict:
         wall = (time.perf_counter() - t0) / steps
     averages = prof.key_averages()
     total_self = sum(e.self_cpu_time_total for e in averages)
-    ops = sorted((e for e in averages if not e.key.startswith(("QuantLayer.", "RopeHelper."))),
+    ops = sorted((e for e in averages if not e.key.startswith(("BlockLayer.", "RopeHelper."))),
                  key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    regions = {e.key: e for e in averages if e.key.startswith(("QuantLayer.", "RopeHelper."))}
+    regions = {e.key: e for e in averages if e.key.startswith(("BlockLayer.", "RopeHelper."))}
     model.set_attn_implementation("sdpa")
     return {
         "row": row.label, "context": cache.get_seq_length(), "steps": steps, "wall_ms_per_step": 1e3 * wall,
@@ -350,7 +350,7 @@ def _flush_state(cache) -> tuple[int, int]:
     """(tokens per flush period, tokens to add before the next single token triggers a flush) of the first layer
     that quantizes (sliding-window layers kept native never flush)."""
     if isinstance(cache, QuantCache):  # one block of G tokens leaves the residual once it exceeds recent + G - 1
-        layer = next(layer for layer in cache.layers if isinstance(layer, QuantLayer))
+        layer = next(layer for layer in cache.layers if isinstance(layer, BlockLayer))
         G, recent = layer.cfg.k_group_size, layer.cfg.recent_tokens
         return G, max(recent + G - 1 - layer.store.length("residual"), 0)
     layer = cache.layers[0]
@@ -659,7 +659,7 @@ def to_markdown(result: dict) -> str:
         for p in result["profiles"]:
             lines += [f"## Profile: {p['row']} decode at {p['context']} tokens ({p['steps']} steps; "
                       f"{p['wall_ms_per_step']:.0f} ms/step wall, {p['profiled_ms_per_step']:.0f} ms/step in ops)", ""]
-            if p["attention_ms_per_step"]:  # the fused row attends in QuantLayer.decode_attention instead
+            if p["attention_ms_per_step"]:  # the fused row attends in BlockLayer.decode_attention instead
                 lines += [f"Attention (`aten::scaled_dot_product_attention`, inclusive): "
                           f"{p['attention_ms_per_step']:.0f} ms/step", ""]
             if p["regions"]:

@@ -255,12 +255,12 @@ def section_env(sec: Section, ctx: Context) -> dict:
 
 
 def _count_fused(cache) -> list[int]:
-    """Wrap every QuantLayer's decode_attention with a call counter; returns the counter (one slot)."""
-    from qcache import QuantLayer
+    """Wrap every BlockLayer's decode_attention with a call counter; returns the counter (one slot)."""
+    from qcache.layers import BlockLayer
 
     calls = [0]
     for layer in cache.layers:
-        if isinstance(layer, QuantLayer):
+        if isinstance(layer, BlockLayer):
             inner = layer.decode_attention
 
             def counted(*args, _inner=inner, **kwargs):
@@ -273,20 +273,20 @@ def _count_fused(cache) -> list[int]:
 
 def _set_kernel(cache, kernel: str) -> None:
     """Read `cache`'s stored codes with `kernel` from now on (every QuantLayer; the same codes, another read path)."""
-    from qcache import QuantLayer
+    from qcache.layers import BlockLayer
 
     for layer in cache.layers:
-        if isinstance(layer, QuantLayer):
+        if isinstance(layer, BlockLayer):
             if not hasattr(layer, "kernel"):
-                raise RuntimeError("QuantLayer has no `kernel` attribute: this check no longer knows how to switch "
+                raise RuntimeError("BlockLayer has no `kernel` attribute: this check no longer knows how to switch "
                                    "the read path of a filled cache")
             layer.kernel = kernel
 
 
 def _reads(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from qcache import QuantLayer
+    from qcache.layers import BlockLayer
 
-    return [tuple(t.float().cpu() for t in layer.read()) for layer in cache.layers if isinstance(layer, QuantLayer)]
+    return [tuple(t.float().cpu() for t in layer.read()) for layer in cache.layers if isinstance(layer, BlockLayer)]
 
 
 def _max_rel(a: list, b: list) -> float:
@@ -472,7 +472,8 @@ def section_device_map(sec: Section, ctx: Context) -> dict:
     """Half of the layers on the GPU, half on the CPU: stores on their layers' devices, tokens vs one GPU."""
     from transformers import AutoModelForCausalLM
 
-    from qcache import QuantCache, QuantLayer
+    from qcache import QuantCache
+    from qcache.layers import BlockLayer
     from qcache.tools.models import resolve_model
 
     path = resolve_model(sec.model)
@@ -488,7 +489,7 @@ def section_device_map(sec: Section, ctx: Context) -> dict:
         cache = QuantCache(bits=8)
         first = prefill(model, cache, ids, 128)
         tokens, _ = greedy(model, cache, first, 16)
-        layers = [(i, layer) for i, layer in enumerate(cache.layers) if isinstance(layer, QuantLayer)]
+        layers = [(i, layer) for i, layer in enumerate(cache.layers) if isinstance(layer, BlockLayer)]
         placed = [{"layer": i, "weights": str(model.model.layers[i].self_attn.k_proj.weight.device),
                    "store": sorted({str(t.device) for t in layer.store.views().values()})} for i, layer in layers]
         results[name] = {"tokens": tokens, "placement": placed}
@@ -669,7 +670,7 @@ def markdown(report: dict) -> str:
                       "Same codes: one cache filled (kernel='eager') per attention, copied, and each copy read and "
                       "decoded one step by a path; compared with the eager read of the same codes (max |diff| / max "
                       f"|eager| over every layer's keys and values; agree within {READ_RTOL:.4f}) and the eager "
-                      "step's logits. Fused calls: QuantLayer.decode_attention calls (> 0: the step attended from "
+                      "step's logits. Fused calls: BlockLayer.decode_attention calls (> 0: the step attended from "
                       "the codes).", "", "| path | attention | read max rel diff | reads agree | step logits max abs "
                       "diff (scale) | same argmax | fused calls |", "|---|---|---:|:---:|---:|:---:|---:|"]
             for r in res["same_codes"]:

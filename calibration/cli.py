@@ -296,10 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     elif choose_rotation and options.rotation == "none":
         p.error("--choose-rotation needs a rotation; these options have rotation='none' (allowed: "
                 "--no-choose-rotation, or --option rotation=hadamard)")
-    from qcache.cache import _check_calibration_options
+    from qcache.layers import check_calibration_options
 
     try:  # a file whose options refuse its own codebooks would not load
-        _check_calibration_options(options, True)
+        check_calibration_options(options, True)
     except ValueError as err:
         p.error(f"the options stored with the file refuse its codebooks: {err}")
     if args.bits_per_value is not None and args.bits_per_value <= 0:

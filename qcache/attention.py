@@ -35,12 +35,10 @@ Usage (registered under the name "qcache_fp32", with transformers' sdpa mask bui
 
 or `from_pretrained(..., attn_implementation="qcache_fp32")` after `register_fp32_attention()`.
 
-With a `QuantCache(kernel="compiled")`, decode steps go one step further: the cache's `update` returns only its
-full-precision tokens, tagged with the layer, and this function lets the layer attend from its codes
-(`QuantLayer.decode_attention`: scores and the weighted sum of values computed from the packed planes in fp32,
-no dequantized K/V written out). Anything else that reaches it with tagged states (more than one query token, a
-softcap, a position bias) gets the layer's full keys/values through `read()`, as update() returns them otherwise.
-The cache only tags states when the calling model's attention implementation is this one.
+At a decode step a `QuantCache` whose kernel is "compiled" hands attention a `HeldStates` pair (qcache/handover.py)
+instead of dequantized keys and values; this function, like stock sdpa, lets the layer attend from its codes in fp32
+(`BlockLayer.decode_attention`). Anything else that reaches it with them (more than one query token, a softcap, a
+position bias) gets the layer's keys and values as `update()` returns them otherwise.
 """
 
 from __future__ import annotations
@@ -50,6 +48,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from .handover import HeldStates
 
 __all__ = ["ATTN_IMPLEMENTATION", "fp32_sdpa_attention_forward", "register_fp32_attention", "use_fp32_attention"]
 
@@ -154,12 +154,12 @@ def fp32_sdpa_attention_forward(
                       stacklevel=2)
     out_dtype = query.dtype
     B, Hq, Tq, D = query.shape
-    layer = getattr(key, "_qcache_layer", None)
-    if layer is not None:  # a QuantCache layer handed over its full-precision tokens only: it attends itself
-        if Tq == 1 and softcap is None and position_bias is None and dropout == 0.0:
-            out = layer.decode_attention(query, attention_mask, scaling, (key, value))  # [B, Hq, 1, D] fp32
-            return out.transpose(1, 2).contiguous().to(out_dtype), None
-        key, value = layer.consume_lazy_states()  # anything else: the cache's keys/values, as update() returns otherwise
+    if isinstance(key, HeldStates):  # a QuantCache decode step: attend from the codes (qcache/handover.py)
+        Hkv = key.shape[1]
+        if Tq == 1 and softcap is None and position_bias is None and dropout == 0.0 and key.step.live:
+            out = key.step.attend(query.reshape(B, Hkv, Hq // Hkv, D), attention_mask, scaling)  # fp32
+            return out.reshape(B, Hq, 1, D).transpose(1, 2).contiguous().to(out_dtype), None
+        key, value = key.dense(), value.dense()  # anything else: the keys/values update() returns otherwise
     Hkv = key.shape[1]
     if Hq % Hkv:
         raise ValueError(f"query has {Hq} heads, key/value {Hkv}: the query heads must be a multiple of the kv heads")

@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-__all__ = ["positions_from_kwargs", "attention_module_on_stack", "tensor_parallel_ranks"]
+__all__ = ["positions_from_kwargs", "attention_module_on_stack", "tensor_parallel_ranks", "check_states"]
 
 
 def positions_from_kwargs(kwargs: dict) -> torch.Tensor | None:
@@ -64,3 +64,29 @@ def _model_on_stack(depth: int) -> nn.Module | None:
                 return owner
         frame = frame.f_back
     return None
+
+
+def check_states(fingerprint: dict, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                 num_layers: int, static_keys: bool) -> None:
+    """Raise unless the states of `Cache.update` fit the model a cache was built for (its `model_fingerprint`)."""
+    if key_states.shape[-1] != value_states.shape[-1]:
+        raise ValueError(
+            f"layer {layer_idx} hands the cache keys with head_dim {key_states.shape[-1]} and values with head_dim "
+            f"{value_states.shape[-1]}; QuantCache needs one head_dim for both (multi-head latent attention caches "
+            "its latent and rotary part instead of keys and values)")
+    fp = fingerprint
+    if layer_idx >= num_layers:
+        raise ValueError(f"layer_idx={layer_idx} but the model this QuantCache was built for has {num_layers} layers; "
+                         "use a new QuantCache per model")
+    heads = fp["num_key_value_heads"]
+    if key_states.dim() == 4 and key_states.shape[1] * tensor_parallel_ranks() == heads:
+        heads = key_states.shape[1]  # a tensor-parallel rank holds its share of the KV heads
+    if key_states.dim() != 4 or key_states.shape[1] != heads or key_states.shape[-1] != fp["head_dim"]:
+        raise ValueError(
+            f"key_states of shape {tuple(key_states.shape)} at layer {layer_idx}, but this QuantCache was built for "
+            f"[batch, {fp['num_key_value_heads']} kv heads, tokens, head_dim {fp['head_dim']}] ({fp['model_type']}); "
+            "use a new QuantCache per model")
+    if key_states.shape[1] != fp["num_key_value_heads"] and static_keys:
+        raise ValueError(
+            f"static_keys=True holds calibrated key ranges for all {fp['num_key_value_heads']} kv heads, but this "
+            f"process computes {key_states.shape[1]} of them (tensor parallelism); allowed here: static_keys=False")

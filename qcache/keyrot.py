@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["key_rotation_ratio", "pair_mean", "projection_energy", "rotary_width", "weight_energies"]
+__all__ = ["key_rotation_ratio", "layer_ratio", "pair_mean", "projection_energy", "rotary_width", "weight_energies"]
 
 
 def pair_mean(e: torch.Tensor, rot_dim: int) -> torch.Tensor:
@@ -108,3 +108,18 @@ def key_rotation_ratio(q_energy: torch.Tensor, k_energy: torch.Tensor, rotation:
     spread = k_energy.float() @ p @ p.T  # [H, D]: (P Pᵀ s) per head, s as a row
     unrotated = (q_energy.float() * k_energy.float()).sum()
     return float((q_energy.float() * spread).sum() / unrotated.clamp(min=1e-30))
+
+
+def layer_ratio(module: nn.Module | None, text_config, num_key_value_heads: int, head_dim: int, kv_heads: int,
+                rope, layer_idx: int, rotation) -> float:
+    """The estimated rotated/unrotated score error of layer `layer_idx` from its attention `module`'s weights
+    (`kv_heads`: this process's share of the `num_key_value_heads` under tensor parallelism; `rotation`: the cache's `SharedRotation`). Raises ValueError if
+    there is no module to read or it lacks dense q_proj/k_proj weights."""
+    if module is None or getattr(module, "config", None) is None:
+        raise ValueError(
+            f"rotate='auto' decides per layer from the attention module's q_proj/k_proj weights, and no attention "
+            f"module of layer {layer_idx} was found up the call stack of Cache.update (called outside a model "
+            "forward?); allowed without one: rotate='v' (keys unrotated) or rotate='kv'")
+    heads = text_config.num_attention_heads * kv_heads // num_key_value_heads
+    q_energy, k_energy = weight_energies(module, heads, kv_heads, head_dim, rotary_width(text_config, rope, layer_idx))
+    return key_rotation_ratio(q_energy, k_energy, rotation.on(q_energy.device))

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -213,6 +214,13 @@ class PackedStore:
             self._buf[name] = buf
             self.batch = result.shape[0]
         self._start = {axis: 0 for axis in AXES}
+
+    def clone(self) -> "PackedStore":
+        """An independent copy: the same parts, lengths and capacities, every buffer copied."""
+        new = copy.copy(self)
+        new._buf = {name: buf.clone() for name, buf in self._buf.items()}
+        new._start, new._length, new._capacity = dict(self._start), dict(self._length), dict(self._capacity)
+        return new
 
     # -- bytes -----------------------------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:

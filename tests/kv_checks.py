@@ -4,6 +4,7 @@ import torch
 
 from qcache import QuantCache
 from qcache.attention import fp32_sdpa_attention_forward
+from qcache.handover import HeldStates
 
 
 def feed(cache, steps, seed=0):
@@ -31,11 +32,10 @@ def compiled_matches_eager(config, steps=3, **options):
 
 def fused_decode_matches_read(layer, position):
     """One decode step at `position` attended straight from the codes equals qcache_fp32 attention over `read()`."""
-    layer.fused_attention = True
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     keys, values = layer.update(k, v, kwargs={"position_ids": torch.tensor([[position]])})
-    assert keys._qcache_layer is layer
+    assert isinstance(keys, HeldStates) and keys.step.layer is layer
     full_k, full_v = layer.read()
     query = torch.randn(1, 4, 1, 32, generator=g).to(torch.bfloat16)
     module = torch.nn.Module()

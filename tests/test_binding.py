@@ -80,15 +80,24 @@ def test_a_cache_bound_to_one_model_refuses_another_geometry_on_any_layer():
         cache.update(torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32), 5, kwargs={"position_ids": torch.arange(3)[None]})
 
 
-def test_set_attn_implementation_between_calls_is_followed():
-    """The fused decode path follows the model's attention implementation, read from the bound config each forward."""
+def test_set_attn_implementation_between_calls_is_followed(monkeypatch):
+    """Decode steps attend from the codes under whatever attention the model runs at that call (stock sdpa, then
+    qcache_fp32) and read the cache under eager attention, with the eager cache's logits each time."""
     from qcache import use_fp32_attention
+    from qcache.handover import DecodeStep
 
+    fused = []
+    attend = DecodeStep.attend
+    monkeypatch.setattr(DecodeStep, "attend", lambda self, *a: fused.append(1) or attend(self, *a))
     model = make_model("llama")
-    cache = QuantCache(bits=4, kernel="compiled", **OPTS)
+    caches = [QuantCache(bits=4, kernel=k, **OPTS) for k in ("compiled", "eager")]
     with torch.no_grad():
-        model(prompt(), cache=cache, use_cache=True)
-        assert not cache.layers[0].fused_attention
-        use_fp32_attention(model)
-        model(prompt(1, seed=3), cache=cache, use_cache=True, position_ids=torch.tensor([[60]]))
-        assert cache.layers[0].fused_attention
+        for cache in caches:
+            model(prompt(), cache=cache, use_cache=True)
+        for step, attn in enumerate(("sdpa", "qcache_fp32", "eager")):
+            use_fp32_attention(model) if attn == "qcache_fp32" else model.set_attn_implementation(attn)
+            before = len(fused)
+            out = [model(prompt(1, seed=3 + step), cache=c, use_cache=True,
+                         position_ids=torch.tensor([[60 + step]])).logits for c in caches]
+            torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
+            assert len(fused) - before == (0 if attn == "eager" else 2), attn  # two quantized layers

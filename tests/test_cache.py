@@ -7,7 +7,8 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from conftest import make_model
 from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
-from qcache.cache import QuantLayer
+from qcache.handover import HeldStates
+from qcache.cache import BlockLayer, QuantLayer, TokenWindowLayer
 from qcache.tools.footprint import reachable_bytes
 from qcache.rope import RopeHelper
 
@@ -153,7 +154,7 @@ def test_padding_never_enters_key_statistics():
     k_pad[1, :, :5] = 1e3  # row 1: five pad tokens with huge keys, positions 0 like transformers gives them
     pos_pad[1, :5] = 0
     pos_pad[1, 5:] = torch.arange(27)
-    padded, clean = QuantLayer(cfg, 0, rope), QuantLayer(cfg, 0, rope)
+    padded, clean = BlockLayer(cfg, 0, rope), BlockLayer(cfg, 0, rope)
     padded.update(k_pad, v, kwargs={"position_ids": pos_pad})
     clean.update(k, v, kwargs={"position_ids": pos})
     assert padded.first.tolist() == [0, -5]  # row 1 starts 5 positions before 0: its first five tokens are padding
@@ -282,7 +283,7 @@ def test_8bit_sliding_layers_hold_their_window_as_8bit_tokens():
     out = generate(model, ids, cache, max_new_tokens=20)
     assert_greedy_agrees(model, out, 100)
     sliding, full = cache.layers[0], cache.layers[1]
-    assert sliding.window_only and not full.window_only
+    assert isinstance(sliding, TokenWindowLayer) and isinstance(full, BlockLayer)
     assert sliding.quantized_length == 0 and sliding.store.length("residual") == 23  # window - 1, token by token
     assert full.quantized_length > 0  # the full layer keeps its blocks
     mem = sliding.memory()
@@ -318,7 +319,7 @@ def test_token_sliding_layers_hold_their_window_as_rotated_tokens(bits):
     cache, ref = QuantCache(bits=4, sliding_layers="tokens", sliding_bits=bits, **OPTS), DynamicCache(config=model.config)
     logits(model, ids, cache), logits(model, ids, ref)
     sliding, full = cache.layers[0], cache.layers[1]
-    assert sliding.window_only and not full.window_only and full.cfg.k_bits == 4
+    assert isinstance(sliding, TokenWindowLayer) and isinstance(full, BlockLayer) and full.cfg.k_bits == 4
     assert sliding.quantized_length == 0 and sliding.store.length("residual") == 23
     assert [c.norm and c.bits for c in sliding.window_codecs] == [bits, bits]
     mem = sliding.memory()
@@ -470,14 +471,14 @@ def test_crop_through_a_block_leaves_no_trace():
     ([[0, 1, 2, 4, 5]], "gaps"),
 ])
 def test_positions_that_are_not_one_run_per_row_raise(positions, match):
-    layer = QuantLayer(recipe(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
+    layer = BlockLayer(recipe(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
     with pytest.raises(ValueError, match=match):
         layer.update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32),
                      kwargs={"position_ids": torch.tensor(positions)})
 
 
 def test_left_padding_then_continuation_is_one_run():
-    layer = QuantLayer(recipe(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
+    layer = BlockLayer(recipe(bits=4, **OPTS), 0, RopeHelper(make_model("llama").config))
     pos = torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])  # row 1: two pads (given 1, as generate gives them)
     layer.update(torch.randn(2, 2, 4, 32), torch.randn(2, 2, 4, 32), kwargs={"position_ids": pos})
     assert layer.first.tolist() == [0, -2]
@@ -487,20 +488,27 @@ def test_left_padding_then_continuation_is_one_run():
                      kwargs={"position_ids": torch.tensor([[5], [5]])})
 
 
-def test_a_lost_fused_handover_raises():
-    """Decode handed attention the quantized region by reference (tagged full-precision states); if nothing attends
-    from the codes (the tag was dropped on the way), the next update of that layer raises instead of letting the
-    model attend over less than the cache holds."""
+def test_decode_states_kept_past_their_step_keep_what_they_showed():
+    """A decode step hands attention HeldStates that read the layer lazily; kept while the layer takes more tokens
+    (or is cropped), they still hold that step's keys and values, and they no longer attend from the codes."""
     model = make_model("llama")
     cache = QuantCache(model.config, bits=4, kernel="compiled", **OPTS)
     logits(model, prompt(60), cache)
     layer = cache.layers[0]
-    layer.fused_attention = True
-    keys, _ = layer.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32),
-                           kwargs={"position_ids": torch.tensor([[60]])})
-    assert keys._qcache_layer is layer and keys.shape[2] < layer.stored_length()
-    with pytest.raises(RuntimeError, match="attention never read it"):
-        layer.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), kwargs={"position_ids": torch.tensor([[61]])})
+    step = lambda p: layer.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32),  # noqa: E731
+                                  kwargs={"position_ids": torch.tensor([[p]])})
+    keys, values = step(60)
+    assert isinstance(keys, HeldStates) and keys.shape[2] == layer.stored_length() == 61
+    now_k, now_v = (t.clone() for t in layer.read())
+    step(61)
+    assert keys.shape[2] == 61 and torch.equal(keys.dense(), now_k) and torch.equal(values.dense(), now_v)
+    assert not keys.step.live
+    with pytest.raises(RuntimeError, match="attended after the layer took more tokens"):
+        keys.step.attend(torch.randn(1, 2, 2, 32), None, None)
+    keys, _ = step(62)
+    now_k = layer.read()[0].clone()
+    layer.crop(-3)
+    assert torch.equal(keys.dense(), now_k) and layer.stored_length() == 60
 
 
 def test_static_cache_settings_are_refused_with_a_quantcache():

@@ -36,15 +36,15 @@ def test_a_family_that_must_match_and_is_refused_fails_the_check(monkeypatch, ca
 
 def test_a_cache_that_differs_is_a_failure(monkeypatch):
     """A QuantCache whose reads are off by far more than 8-bit noise is reported as failed, with the numbers."""
-    from qcache.cache import QuantLayer
+    from qcache.layers import BlockLayer
 
-    update = QuantLayer.update
+    update = BlockLayer.update
 
     def noisy(self, key_states, value_states, *args, **kwargs):
         keys, values = update(self, key_states, value_states, *args, **kwargs)
         return keys, values * 3.0
 
-    monkeypatch.setattr(QuantLayer, "update", noisy)
+    monkeypatch.setattr(BlockLayer, "update", noisy)
     outcome, run = check.check_family(check.SMOKE_FAMILIES[0], steps=6)
     assert outcome.kind == "failed" and run is None and "differs from DynamicCache" in outcome.detail
 

@@ -8,6 +8,7 @@ from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig, kernels
 from qcache.attention import fp32_sdpa_attention_forward, use_fp32_attention
 from qcache.codec import ValueCodec
+from qcache.handover import HeldStates
 from qcache.quant import code_planes, dequantize, pack
 
 OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
@@ -102,14 +103,12 @@ def test_kernel_option_is_checked():
 
 
 def _lazy_layer(bits, outliers=0, batch=1, codebooks=None, v_group_size=16):
-    """Layer 0 of a compiled cache fed 70 + 5 tokens, switched to fused decode attention."""
+    """Layer 0 of a compiled cache fed 70 + 5 tokens (its decode steps hand attention a DecodeStep)."""
     config = make_model("llama").config
     cache = QuantCache(config, bits=bits, outliers=outliers, kernel="compiled",
                        **{**OPTS, "v_group_size": v_group_size})
     _feed(cache, 5, batch=batch)
-    layer = cache.layers[0]
-    layer.fused_attention = True
-    return cache, layer
+    return cache, cache.layers[0]
 
 
 # 4, 2 and 8 bits here; the 3-bit fused decode is checked by tests/test_norm_values.py's compiled test (each
@@ -122,8 +121,10 @@ def test_decode_attention_equals_attention_over_the_read(bits, outliers, v_group
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(2, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     keys, values = layer.update(k, v, kwargs={"position_ids": torch.tensor([[75], [75]])})
-    assert keys._qcache_layer is layer and keys.shape[2] == layer.store.length("sink") + layer.store.length("residual")
+    assert isinstance(keys, HeldStates) and keys.step.layer is layer and keys.step is values.step
+    assert keys.step.fp_k.shape[2] == layer.store.length("sink") + layer.store.length("residual")
     full_k, full_v = layer.read()
+    assert keys.shape == full_k.shape and values.shape == full_v.shape and keys.dtype == full_k.dtype
     T = full_k.shape[2]
     assert T == 76 and layer.quantized_length > 0
     query = torch.randn(2, 4, 1, 32, generator=g).to(torch.bfloat16)
@@ -150,17 +151,46 @@ def test_decode_attention_rejects_a_mask_of_another_length():
                                     torch.ones(1, 1, 1, 10, dtype=torch.bool))
 
 
-def test_lazy_states_outside_decode_read_the_cache():
-    """Tagged states reaching the attention with more than one query (or softcap) are replaced by `read()`."""
+def test_held_states_outside_decode_read_the_cache():
+    """A decode step's HeldStates reaching attention with more than one query (or any other operation) are the
+    layer's `read()`, exactly."""
     _, layer = _lazy_layer(4)
-    keys, values = layer._lazy_states()
+    keys, values = layer.update(*(torch.randn(1, 2, 1, 32).to(torch.bfloat16) for _ in range(2)),
+                                kwargs={"position_ids": torch.tensor([[75]])})
     full_k, full_v = layer.read()
-    assert keys.shape[2] < full_k.shape[2]
     query = torch.randn(1, 4, 3, 32)
     mask = torch.ones(1, 1, 3, full_k.shape[2], dtype=torch.bool)
     out, _ = fp32_sdpa_attention_forward(torch.nn.Module(), query, keys, values, mask)
     ref, _ = fp32_sdpa_attention_forward(torch.nn.Module(), query, full_k, full_v, mask)
-    assert torch.equal(out, ref)
+    assert torch.equal(out, ref) and keys.step.fused == 0
+    # any torch operation sees the dense tensors: eager attention's matmul, a transpose, a sum
+    assert torch.equal(keys.transpose(2, 3), full_k.transpose(2, 3)) and torch.equal(values.sum(), full_v.sum())
+    assert type(keys.transpose(2, 3)) is torch.Tensor
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_stock_sdpa_attends_from_the_codes(packed):
+    """torch's scaled_dot_product_attention on a decode step's HeldStates (as transformers' sdpa calls it: GQA via
+    enable_gqa without a mask, or the query heads packed into rows with one) attends from the codes, and equals
+    fp32 attention over `read()` within bf16 rounding of the output."""
+    import torch.nn.functional as F
+
+    _, layer = _lazy_layer(4, batch=2)
+    g = torch.Generator().manual_seed(2)
+    keys, values = layer.update(*(torch.randn(2, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2)),
+                                kwargs={"position_ids": torch.tensor([[75], [75]])})
+    full_k, full_v = (t.float() for t in layer.read())
+    query = torch.randn(2, 4, 1, 32, generator=g).to(torch.bfloat16)
+    mask = torch.ones(2, 1, 1, 76, dtype=torch.bool)
+    mask[1, ..., :7] = False
+    ref = F.scaled_dot_product_attention(query.float(), full_k, full_v, attn_mask=mask, enable_gqa=True)
+    if packed:
+        got = F.scaled_dot_product_attention(query.reshape(2, 2, 2, 32), keys, values, attn_mask=mask)
+        got = got.reshape(2, 4, 1, 32)
+    else:
+        got = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+    assert keys.step.fused == 1 and got.dtype == torch.bfloat16 and type(got) is torch.Tensor
+    torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=2e-3)
 
 
 @pytest.mark.parametrize("family,bits,outliers,quant_layers", [("llama", 2, 1, 2), ("gemma3", 4, 0, 1)])
@@ -181,19 +211,21 @@ def test_fused_attention_generate_same_tokens(family, bits, outliers, quant_laye
     assert "read_keys" not in compiled_calls[compiled_calls.index("decode_attention"):]
 
 
-def test_no_lazy_states_for_other_attention():
-    """With stock sdpa the compiled cache returns everything it holds (sdpa cannot read codes)."""
-    model = make_model("llama")
-    assert model.config._attn_implementation != "qcache_fp32"
-    cache = QuantCache(bits=4, kernel="compiled", **OPTS)
-    with torch.no_grad():
-        model.generate(torch.randint(2, 96, (1, 80)), cache=cache, max_new_tokens=3, do_sample=False,
-                       pad_token_id=0)
-    layer = cache.layers[0]
-    assert not layer.fused_attention and layer.quantized_length > 0
-    keys, _ = layer.update(*(torch.randn(1, 2, 1, 32) for _ in range(2)),
-                           kwargs={"position_ids": torch.tensor([[82]])})  # 80 + 2 decoded tokens held
-    assert keys.shape[2] == layer.stored_length() and not hasattr(keys, "_qcache_layer")
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_literal_line_decodes_like_the_eager_read(attn, compiled_calls):
+    """`generate(..., past_key_values=QuantCache(bits=4))` with the model's own attention and no other opt-in: the
+    compiled cache gives the eager cache's tokens. Under stock sdpa every decode step of every layer attends from
+    the codes; under eager attention (which multiplies the keys itself) it reads them, as before."""
+    model = make_model("llama", dtype=torch.bfloat16)
+    model.set_attn_implementation(attn)
+    ids = torch.randint(2, 96, (1, 120), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for kernel in ("eager", "compiled"):
+        with torch.no_grad():
+            outs.append(model.generate(ids, past_key_values=QuantCache(bits=4, kernel=kernel, **OPTS),
+                                       max_new_tokens=8, do_sample=False, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
+    assert compiled_calls.count("decode_attention") == (7 * 2 if attn == "sdpa" else 0)
 
 
 def test_packing_is_planar():
