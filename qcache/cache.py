@@ -33,6 +33,35 @@ logger = logging.getLogger(__name__)
 _CALIBRATION_TENSORS = ("k_codebook", "v_codebook", "k_static_zero", "k_static_scale")  # what a cache uses
 
 
+def _recipe_and_calibration(options, calibration, preset, kwargs) -> tuple[QuantCacheConfig, CalibrationData | None]:
+    """What `QuantCache(...)` was asked for: the recipe (`options=`, a preset row with keyword options replacing its
+    fields, or a calibration file's recipe with them), and the calibration file's tensors a cache reads."""
+    if options is not None and (kwargs or preset is not None):
+        raise ValueError(f"pass either options= or keyword options/preset, not both (got "
+                         f"{sorted(kwargs) + (['preset'] if preset else [])})")
+    if preset is not None and calibration is not None:
+        raise ValueError(f"preset={preset!r} chooses a recipe and a calibration file holds its own; allowed with "
+                         "calibration=: keyword options, not preset=")
+    if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
+        calibration = load_calibration(calibration)
+    if calibration is not None:  # keep only what a cache reads (not e.g. the channel weights k-means used)
+        calibration = CalibrationData(
+            calibration.model, calibration.options, calibration.settings,
+            {i: {n: t for n, t in layer.items() if n in _CALIBRATION_TENSORS}
+             for i, layer in calibration.layers.items()},
+            calibration.qcache_version, calibration.path)
+    if options is None:
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        if calibration is not None:  # the file's recipe, the options given replacing its fields
+            bits = given.pop("bits", None)
+            if bits is not None:
+                given = {"k_bits": bits, "v_bits": bits, **given}
+            options = dataclasses.replace(calibration.recipe, **given)
+        else:
+            options = recipe(preset=preset, **given)
+    return options, calibration
+
+
 class QuantCache(Cache):
     """A quantized KV cache for `model.generate` and plain forward passes.
 
@@ -55,30 +84,8 @@ class QuantCache(Cache):
     def __init__(self, config=None, *, options: QuantCacheConfig | None = None,
                  calibration: "str | CalibrationData | None" = None, preset: str | None = None, **kwargs):
         check_transformers()  # an older release would hand the model's own DynamicCache the tokens, silently
-        if options is not None and (kwargs or preset is not None):
-            raise ValueError(f"pass either options= or keyword options/preset, not both (got "
-                             f"{sorted(kwargs) + (['preset'] if preset else [])})")
-        if preset is not None and calibration is not None:
-            raise ValueError(f"preset={preset!r} chooses a recipe and a calibration file holds its own; allowed with "
-                             "calibration=: keyword options, not preset=")
-        if isinstance(calibration, (str, bytes)) or hasattr(calibration, "__fspath__"):
-            calibration = load_calibration(calibration)
-        if calibration is not None:  # keep only what a cache reads (not e.g. the channel weights k-means used)
-            calibration = CalibrationData(
-                calibration.model, calibration.options, calibration.settings,
-                {i: {n: t for n, t in layer.items() if n in _CALIBRATION_TENSORS}
-                 for i, layer in calibration.layers.items()},
-                calibration.qcache_version, calibration.path)
+        options, calibration = _recipe_and_calibration(options, calibration, preset, kwargs)
         self.calibration: CalibrationData | None = calibration
-        if options is None:
-            given = {k: v for k, v in kwargs.items() if v is not None}
-            if calibration is not None:  # the file's recipe, the options given replacing its fields
-                bits = given.pop("bits", None)
-                if bits is not None:
-                    given = {"k_bits": bits, "v_bits": bits, **given}
-                options = dataclasses.replace(calibration.recipe, **given)
-            else:
-                options = recipe(preset=preset, **given)
         check_calibration_options(options, calibration is not None)
         if options.static_keys and calibration is None:
             raise ValueError("static_keys=True needs a calibration file (calibration=path); allowed without one: "

@@ -300,17 +300,7 @@ class QuantLayer(CacheLayerMixin):
 
     def memory(self) -> CacheMemory:
         """Bytes held by this layer (the RoPE helper, shared by the layers of a cache, is counted by the cache)."""
-        rotation = self._rotation.nbytes() if self._owns_rotation else 0  # else the cache counts it, once
-        k = self.consts["k"]
-        static = _nbytes(k.get("static_zero"), k.get("static_scale"))
-        levels = _nbytes(*(t for t in self.const_tensors() if t is not k.get("static_zero")
-                           and t is not k.get("static_scale")))
-        if not self.is_initialized:
-            return CacheMemory(codebooks=levels, scales=static, rotation=rotation)
-        parts = self.store.nbytes()
-        return CacheMemory(packed=parts["packed"], scales=parts["scales"] + static, outliers=parts["outliers"],
-                           full_precision=parts["full_precision"], codebooks=levels, positions=_nbytes(self.first),
-                           reserved=parts["reserved"], tokens=self.stored_length(), rotation=rotation)
+        return layer_memory(self)
 
 
 class BlockLayer(QuantLayer):
@@ -320,24 +310,7 @@ class BlockLayer(QuantLayer):
         """Take `cfg` as this layer's recipe: its constants and key codec (the value codec needs head_dim and is
         built at the first update)."""
         self.cfg = cfg
-        calibration = self._calibration
-        check_calibration_options(cfg, bool(calibration))
-        streams = cfg.codebook_streams() if cfg.codebooks else ""  # the streams the file's levels were fitted for
-        k_consts = {"codebook": calibration.get("k_codebook") if "k" in streams else None}
-        v_consts = {"codebook": calibration.get("v_codebook") if "v" in streams else None}
-        for name, cb, bits in (("k_codebook", k_consts["codebook"], cfg.k_bits),
-                               ("v_codebook", v_consts["codebook"], cfg.v_bits)):
-            if cb is not None and cb.numel() != 2**bits:
-                raise ValueError(f"layer {self.layer_idx}: calibrated {name} has {cb.numel()} levels but {bits} bits "
-                                 f"need {2**bits}; calibrate for these bits or pass codebooks=False")
-        if cfg.static_keys:
-            if "k_static_zero" not in calibration:
-                raise ValueError(f"static_keys=True needs a calibration file with static key ranges (layer "
-                                 f"{self.layer_idx} has none); allowed without one: static_keys=False")
-            k_consts["static_zero"], k_consts["static_scale"] = (calibration["k_static_zero"],
-                                                                 calibration["k_static_scale"])  # [H, D] each
-        if cfg.levels == "lloyd-max":  # data-free levels (the value group is known at the first update)
-            k_consts["codebook"] = levels_tensor(cfg.k_bits, cfg.k_group_size, cfg.outliers)
+        k_consts, v_consts = _block_constants(cfg, self._calibration, self.layer_idx)
         self.consts = {"k": k_consts, "v": v_consts}
         self.k_codec = layout.key_codec(cfg, codebook=k_consts["codebook"] is not None)
         self.v_codec: ValueCodec | None = None
@@ -577,6 +550,29 @@ class TokenWindowLayer(QuantLayer):
             self.store.crop("residual", self.store.length("residual") - n)
 
 
+def _block_constants(cfg: QuantCacheConfig, calibration: dict, layer_idx: int) -> tuple[dict, dict]:
+    """The key and value codecs' constants of a block layer known before its first update: a calibration file's
+    levels on the streams they were fitted for, its static key ranges, data-free key levels (checked against `cfg`)."""
+    check_calibration_options(cfg, bool(calibration))
+    streams = cfg.codebook_streams() if cfg.codebooks else ""  # the streams the file's levels were fitted for
+    k_consts = {"codebook": calibration.get("k_codebook") if "k" in streams else None}
+    v_consts = {"codebook": calibration.get("v_codebook") if "v" in streams else None}
+    for name, cb, bits in (("k_codebook", k_consts["codebook"], cfg.k_bits),
+                           ("v_codebook", v_consts["codebook"], cfg.v_bits)):
+        if cb is not None and cb.numel() != 2**bits:
+            raise ValueError(f"layer {layer_idx}: calibrated {name} has {cb.numel()} levels but {bits} bits "
+                             f"need {2**bits}; calibrate for these bits or pass codebooks=False")
+    if cfg.static_keys:
+        if "k_static_zero" not in calibration:
+            raise ValueError(f"static_keys=True needs a calibration file with static key ranges (layer "
+                             f"{layer_idx} has none); allowed without one: static_keys=False")
+        k_consts["static_zero"], k_consts["static_scale"] = (calibration["k_static_zero"],
+                                                             calibration["k_static_scale"])  # [H, D] each
+    if cfg.levels == "lloyd-max":  # data-free levels (the value group is known at the first update)
+        k_consts["codebook"] = levels_tensor(cfg.k_bits, cfg.k_group_size, cfg.outliers)
+    return k_consts, v_consts
+
+
 def make_layer(cfg: QuantCacheConfig, layer_idx: int, rope: RopeHelper | None, sliding_window: int | None = None,
                calibration: dict[str, torch.Tensor] | None = None, rotation: SharedRotation | None = None) -> QuantLayer:
     """The quantized layer for `cfg`: a `TokenWindowLayer` for a sliding layer whose recipe holds its window only
@@ -627,10 +623,21 @@ class SlidingWindowLayer(DynamicSlidingWindowLayer):
 
 
 def layer_memory(layer) -> CacheMemory:
-    """Bytes of one layer: a `QuantLayer`'s own count, or a transformers layer kept in full precision (native
-    sliding window): its keys/values, and its other tensors (e.g. the window size as a tensor) as bookkeeping."""
+    """Bytes of one layer: a `QuantLayer`'s store, constants and positions, or a transformers layer kept in full
+    precision (native sliding window): its keys/values, and its other tensors (e.g. the window size as a tensor) as
+    bookkeeping."""
     if isinstance(layer, QuantLayer):
-        return layer.memory()
+        rotation = layer._rotation.nbytes() if layer._owns_rotation else 0  # else the cache counts it, once
+        k = layer.consts["k"]
+        static = [k.get("static_zero"), k.get("static_scale")]
+        levels = _nbytes(*(t for t in layer.const_tensors() if all(t is not x for x in static)))
+        if not layer.is_initialized:
+            return CacheMemory(codebooks=levels, scales=_nbytes(*static), rotation=rotation)
+        parts = layer.store.nbytes()
+        return CacheMemory(packed=parts["packed"], scales=parts["scales"] + _nbytes(*static),
+                           outliers=parts["outliers"], full_precision=parts["full_precision"], codebooks=levels,
+                           positions=_nbytes(layer.first), reserved=parts["reserved"], tokens=layer.stored_length(),
+                           rotation=rotation)
     other = [t for name, t in vars(layer).items() if isinstance(t, torch.Tensor) and name not in ("keys", "values")]
     if not getattr(layer, "is_initialized", False) or layer.keys is None:
         return CacheMemory(positions=_nbytes(*other))
