@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache
@@ -21,6 +22,7 @@ from .config import QuantCacheConfig
 from .keyrot import layer_ratio
 from .layers import (BlockLayer, CacheMemory, QuantLayer, SlidingWindowLayer, TokenWindowLayer,
                      check_calibration_options, layer_memory, make_layer, _nbytes)
+from .persist import fork_cache, load_cache, save_cache
 from .presets import recipe
 from .rotation import SharedRotation
 from .rope import RopeHelper, modeling_module_of
@@ -223,6 +225,22 @@ class QuantCache(Cache):
 
     def reset(self) -> None:
         super().reset()  # an empty cache may serve another model: the next sequence binds again
+
+    # -- a prefix paid for once (qcache/persist.py) -------------------------------------------------------------
+    def save(self, path) -> Path:
+        """Write the cache as held (codes, scales, full-precision tokens; recipe and model fingerprint) to one
+        safetensors file, atomically. `QuantCache.load` reads it back."""
+        return save_cache(self, path)
+
+    @classmethod
+    def load(cls, path, model_or_config, options: QuantCacheConfig | None = None, device=None) -> "QuantCache":
+        """The cache `save` wrote, for `model_or_config` (refused, naming why, for another model, another recipe
+        than `options` or a damaged file); it continues exactly as the saved cache would have."""
+        return load_cache(cls, path, model_or_config, options, device)
+
+    def fork(self) -> "QuantCache":
+        """An independent copy, so several continuations start from one prefix without prefilling it again."""
+        return fork_cache(self)
 
     # -- reporting -------------------------------------------------------------------------------------------
     def memory(self) -> CacheMemory:
