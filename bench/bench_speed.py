@@ -569,9 +569,10 @@ def to_markdown(result: dict) -> str:
              "decodes without a mask through SDPA's `enable_gqa=True`, which the CPU flash kernel runs ~8x slower "
              "for one query than qcache_fp32's folding of the query heads sharing a kv head (no K/V copy): that, not "
              "fp32, is why `@fp32` rows decode faster. Quant rows without `+kernel` run the default kernel='auto' "
-             "(the compiled read here); `quant-4bit@fp32` then decodes with the fused attention (qcache/kernels.py "
-             "`decode_attention`): scores and the weighted sum of values computed from the codes, no dequantized K/V "
-             "handed to attention. `+eager` rows read with plain PyTorch ops.", ""]
+             "(the compiled read here); their decode steps then attend from the codes under stock sdpa and under "
+             "qcache_fp32 alike (qcache/handover.py, qcache/kernels.py `decode_attention`): scores and the weighted "
+             "sum of values computed from the codes in fp32, no dequantized K/V handed to attention. `+eager` rows "
+             "read with plain PyTorch ops and hand attention the dequantized cache.", ""]
     if result.get("targets"):
         lines += ["## Targets", "", "Speeds are ratios of tokens/s (or of 1 / prefill seconds); '3x quanto' compares "
                   "QuantCache 4-bit with hf-quanto 4-bit in the same run; the RSS target is (default's peak RSS growth "
