@@ -130,10 +130,14 @@ def cache_bytes(cache) -> int:
     return reachable_bytes(cache)
 
 
-def replay(src, dst, length: int):
-    """Fill `dst` with the first `length` cached tokens of DynamicCache `src`: one `update` per layer, as a prefill."""
+def replay(src, dst, length: int, model):
+    """Fill `dst` with the first `length` cached tokens of DynamicCache `src`: one `update` per layer, as a prefill.
+    Each call has `model`'s attention module of that layer as a local up its call stack, as in a real forward, so a
+    cache that decides from the weights (rotate="auto", qcache/binding.py) decides as it would there."""
+    modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")}
     pos = torch.arange(length).unsqueeze(0)  # [1, L]
     for i, layer in enumerate(src.layers):
+        attention = modules.get(i)  # noqa: F841  (read from this frame by the cache)
         k, v = layer.keys[:, :, :length], layer.values[:, :, :length]  # [B, H, L, D]
         dst.update(k.contiguous(), v.contiguous(), i, kwargs={"position_ids": pos})
     return dst
@@ -314,7 +318,7 @@ def measure_decode(model, ids, rows: list[Row], contexts: list[int], rounds: int
         first = out.logits[:, -1:].argmax(-1)  # [1, 1]
         caches, tokens, times, nbytes = {}, {}, {}, {}
         for row in rows:
-            caches[row.label] = replay(ref, row.make_cache(model.config), L)
+            caches[row.label] = replay(ref, row.make_cache(model.config), L, model)
             nbytes[row.label] = cache_bytes(caches[row.label])
             row.apply_attention(model)
             _, tokens[row.label] = decode_step(model, caches[row.label], first)  # warm-up, untimed
@@ -333,6 +337,8 @@ def measure_decode(model, ids, rows: list[Row], contexts: list[int], rounds: int
                 "step_ms_mean": 1e3 * statistics.fmean(times[row.label]), "tokens_per_s": 1.0 / med,
                 "speed_vs_default": base / med, "bytes_held": nbytes[row.label],
                 "bytes_per_token": nbytes[row.label] / L,
+                "layers_keys_rotated": (sum(bool(r["rotated"]) for r in caches[row.label].key_rotation.values())
+                                        if hasattr(caches[row.label], "key_rotation") else None),
                 "step_ms": [round(1e3 * t, 2) for t in times[row.label]],
             })
             log.info("decode %5d %-22s %7.1f ms/step (%.2fx default), %.0f B/token", L, row.label, 1e3 * med,
