@@ -17,7 +17,7 @@ raises or is killed is recorded with its error and partial rows, and the next on
                Transformers' quanto 4-bit cache (hf-quanto:4; it refuses sliding-window models), each as a ratio to
                DynamicCache and to quanto; memory per cache: torch.cuda.memory_allocated growth over the fill (what
                the cache holds), max_memory_allocated over the fill and over the decode steps, next to the formula
-               (qcache.tools.size.cache_bytes, i.e. QuantCacheConfig.bytes_per_token) and cache.memory()
+               (qcache.tools.size.cache_bytes, i.e. qcache.layout.bytes_per_token) and cache.memory()
     device_map half of SmolLM2's layers on the GPU, half on the CPU (from_pretrained(device_map=...)): every
                QuantLayer's store on its layer's device, and greedy tokens vs the single-GPU run
 
@@ -693,7 +693,7 @@ def markdown(report: dict) -> str:
             lines += ["", f"## Decode and memory: {name.split('/')[1]} at {name.split('/')[2]} tokens", "",
                       "tokens/s: greedy steps after warm-up, CUDA-synchronized; held: torch.cuda.memory_allocated "
                       "growth over the fill; peaks: max_memory_allocated above the level before the fill; formula: "
-                      "qcache.tools.size (QuantCacheConfig.bytes_per_token; 16-bit for the default cache); counted: "
+                      "qcache.tools.size (qcache.layout.bytes_per_token; 16-bit for the default cache); counted: "
                       "cache.memory() (qcache) or every reachable tensor; layout: counted less reserved capacity and "
                       "the RoPE helper (what the formula describes). MiB.", "",
                       "| cache | kernel | tokens/s | vs default | vs quanto | warm-up s | held | counted | formula | "

@@ -8,7 +8,7 @@ through both caches `chunk` tokens at a time, as the fidelity runner feeds it, a
 is scored, where most of the cache is quantized. One forward pass of the sequences per (l, s, w).
 
 Allocation (`allocate`): start every quantized (layer, stream) at the narrowest width, then repeatedly widen the one
-whose next width lowers its sensitivity most, as long as the plan's bits/value (`QuantCacheConfig.bytes_per_token`
+whose next width lowers its sensitivity most, as long as the plan's bits/value (`qcache.layout.bytes_per_token`
 at `context` tokens: codes, scales, full-precision tokens; not reserved capacity) stays within the budget. Widening
 a stream costs the same bits in every layer (all layers hold the same number of values), so this greedy choice is
 the best step per bit; it treats the losses of different layers as adding up, which holds for small losses.
@@ -38,6 +38,7 @@ import dataclasses
 import torch
 from tqdm.auto import tqdm
 
+from qcache import layout
 from qcache.config import QuantCacheConfig
 
 __all__ = ["measure_sensitivities", "choose_rotate", "KEY_CHOICES", "reference_logprobs", "allocate",
@@ -184,7 +185,7 @@ def plan_bits_per_value(options: QuantCacheConfig, pairs, quantized: list[int], 
     """Bits per value a plan holds at `context` tokens, over the quantized layers (`bytes_per_token` of their
     `layer_bits`: codes, scales, full-precision tokens and positions)."""
     plan = dataclasses.replace(options, layer_bits=tuple(tuple(pairs[layer]) for layer in quantized))
-    return plan.bytes_per_token(len(quantized), kv_heads, head_dim, context) * 8 / (len(quantized) * kv_heads
+    return layout.bytes_per_token(plan, len(quantized), kv_heads, head_dim, context) * 8 / (len(quantized) * kv_heads
                                                                                    * head_dim * 2)
 
 

@@ -20,7 +20,7 @@ source and sha256, tokens, seed, ...), layers (JSON list of calibrated layer ind
 Files are written to a temporary file in the same directory, fsynced, then renamed over the target.
 
 Format versions: "3" (options: the complete recipe, `QuantCacheConfig.to_dict`) is written; "1" (layer tensors only)
-and "2" (adds the optional K/V ranges) still load, their options read by `QuantCacheConfig.from_legacy_dict`.
+and "2" (adds the optional K/V ranges) still load, their options read by `legacy_recipe`.
 `load_calibration` also takes a folder laid out like a hub repo or a hub repo id (see `qcache.hub`).
 
 Example:
@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -286,7 +287,7 @@ def load_calibration(source: str | os.PathLike, model=None, revision: str | None
 
     try:
         legacy = metadata["format_version"] in LEGACY_VERSIONS
-        options = (QuantCacheConfig.from_legacy_dict if legacy else QuantCacheConfig.from_dict)(options_dict)
+        options = (legacy_recipe if legacy else QuantCacheConfig.from_dict)(options_dict)
         options_dict = options.to_dict()
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: metadata 'options' are not valid QuantCacheConfig options: {err}") from err
@@ -331,3 +332,28 @@ def load_calibration(source: str | os.PathLike, model=None, revision: str | None
     if model is not None:
         data.check_model(_fingerprint_of(model))
     return data
+
+
+# what a file written before an option existed meant by leaving it out: the behaviour before the option
+LEGACY_OPTIONS = {"rotation": "none", "rotate": "kv", "v_scale": "minmax", "levels": "uniform", "window_bits": 16,
+                  "codebooks": True}
+
+
+def legacy_recipe(d: dict):
+    """The recipe of a file written before recipes were complete (formats 1 and 2): an option it leaves out, or holds
+    as None where it now holds a value, is the behaviour from before that option existed (`LEGACY_OPTIONS`); a
+    `bits` entry sets both widths."""
+    from .config import QuantCacheConfig
+
+    d = dict(d)
+    bits = d.pop("bits", None)
+    if bits is not None:
+        d["k_bits"] = d["v_bits"] = bits
+    for name, value in LEGACY_OPTIONS.items():
+        if d.get(name) is None:
+            d[name] = value
+    names = {f.name for f in dataclasses.fields(QuantCacheConfig)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown QuantCacheConfig options {unknown}; allowed: {sorted(names)}")
+    return QuantCacheConfig(**d)

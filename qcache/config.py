@@ -4,8 +4,8 @@ Every field holds a value (nothing is resolved from the others): the dataclass d
 `QuantCache(bits=4)`, and `qcache.presets.PRESETS` holds the other rows (`QuantCache(bits=3)` is a lookup there).
 Changing one option is `dataclasses.replace(recipe, name=value)`; a combination that does not hold raises in the
 check of the part it belongs to (widths, keys, values, rotation, kept tokens, sliding layers), naming every option that
-conflicts and what is allowed. A calibration file stores its recipe (`to_dict`); `from_legacy_dict` reads the
-options of files written before the recipe was complete.
+conflicts and what is allowed. A calibration file stores its recipe (`to_dict`); `qcache.calibfile.legacy_recipe` reads
+the options of files written before the recipe was complete. The bytes a recipe holds are `qcache.layout.bytes_per_token`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from . import layout
 from .layout import CLIP_RATIOS  # tried per group with clip_search=True
 from .quant import SUPPORTED_BITS  # the rows of qcache.quant.WIDTHS
 SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
@@ -26,13 +25,9 @@ LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
 ROTATE = ("auto", "kv", "k", "v")  # which of keys and values a rotation applies to ("auto": qcache/keyrot.py)
 V_SCALES = ("minmax", "norm")  # qcache/codec.py ValueCodec
 WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
-# what a file written before an option existed meant by leaving it out: the behaviour before the option
-LEGACY_OPTIONS = {"rotation": "none", "rotate": "kv", "v_scale": "minmax", "levels": "uniform", "window_bits": 16,
-                  "codebooks": True}
 
 __all__ = ["QuantCacheConfig", "format_layer_bits", "parse_layer_bits", "SUPPORTED_BITS", "CLIP_RATIOS", "SCALE_DTYPES",
-           "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS", "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS",
-           "LEGACY_OPTIONS"]
+           "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS", "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -163,104 +158,9 @@ class QuantCacheConfig:
     sliding_v_bits: int | None = None
 
     def __post_init__(self) -> None:
-        self._check_widths()
-        self._check_keys()
-        self._check_rotation()
-        self._check_values()
-        self._check_kept()
-        self._check_sliding()
-        self._check_other()
-
-    # -- the checks, one per part of the recipe ---------------------------------------------------------------
-    def _check_widths(self) -> None:
-        _check_choice("k_bits", self.k_bits, SUPPORTED_BITS)
-        _check_choice("v_bits", self.v_bits, SUPPORTED_BITS)
-        if self.layer_bits is None:
-            return
-        pairs = parse_layer_bits(self.layer_bits) if isinstance(self.layer_bits, str) else self.layer_bits
-        if (not isinstance(pairs, (list, tuple)) or not pairs
-                or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs)):
-            raise ValueError(f"layer_bits={pairs!r} must be a non-empty list of (k_bits, v_bits) pairs, one per layer")
-        for i, (kb, vb) in enumerate(pairs):
-            _check_choice(f"layer_bits[{i}] k_bits", kb, SUPPORTED_BITS)
-            _check_choice(f"layer_bits[{i}] v_bits", vb, SUPPORTED_BITS)
-        object.__setattr__(self, "layer_bits", tuple((int(kb), int(vb)) for kb, vb in pairs))
-
-    def _check_rotation(self) -> None:
-        _check_choice("rotation", self.rotation, ROTATIONS)
-        _check_nonneg_int("rotation_seed", self.rotation_seed)
-        _check_choice("rotate", self.rotate, ROTATE)
-        if self.rotation == "none":
-            _conflicts("rotation='none' rotates nothing", self, {"rotate": "kv", "v_scale": "minmax"},
-                       {"rotate": "needs a rotation", "v_scale": "needs rotated values (its levels assume them)"})
-
-    def _check_keys(self) -> None:
-        _check_positive_int("k_group_size", self.k_group_size)
-        _check_choice("levels", self.levels, LEVELS)
-        _check_choice("rope", self.rope, ROPE_MODES)
-        _check_choice("static_keys", self.static_keys, (True, False))
-        if self.static_keys:  # calibrated in unrotated space, on each channel's fixed range
-            _conflicts("static_keys=True holds calibrated, unrotated key ranges", self,
-                       {"rotation": "none", "rotate": "kv", "v_scale": "minmax", "levels": "uniform", "outliers": 0},
-                       {"rotation": "is not supported with static_keys=True (static key ranges are calibrated in "
-                                    "unrotated space)",
-                        "levels": "is not supported with static_keys=True (the levels are fitted to each group's own "
-                                  "min/max, static keys have none)",
-                        "rotate": "needs a rotation", "v_scale": "needs rotated values",
-                        "outliers": "is not supported with static_keys=True"})
-
-    def _check_values(self) -> None:
-        _check_choice("v_scale", self.v_scale, V_SCALES)
-        if self.v_group_size is not None:
-            _check_positive_int("v_group_size", self.v_group_size)
-            if self.v_group_size % 8:
-                raise ValueError(f"v_group_size={self.v_group_size} must be a multiple of 8 (bit packing works on 8 "
-                                 "values)")
-        if self.v_scale == "norm":
-            if self.rotation == "hadamard" and self.rotate == "k":
-                raise ValueError(f"v_scale='norm' needs rotated values (its levels assume them); got rotation="
-                                 f"{self.rotation!r}, rotate={self.rotate!r}; allowed: rotate 'auto', 'kv' or 'v', or "
-                                 "v_scale='minmax'")
-            _conflicts("v_scale='norm' scales whole heads (no groups, outliers or range clipping)", self,
-                       {"outliers": 0, "clip_search": False, "v_group_size": None}, {}, fix="v_scale='minmax'")
-
-    def _check_kept(self) -> None:
-        _check_nonneg_int("sink_tokens", self.sink_tokens)
-        _check_nonneg_int("recent_tokens", self.recent_tokens)
-        _check_choice("window_bits", self.window_bits, WINDOW_BITS)
-
-    def _check_sliding(self) -> None:
-        _check_choice("sliding_layers", self.sliding_layers, SLIDING_MODES)
-        if self.sliding_bits is not None:
-            _check_choice("sliding_bits", self.sliding_bits, SUPPORTED_BITS)
-            if self.sliding_layers == "native":
-                raise ValueError(f"sliding_bits={self.sliding_bits} sets the width of quantized sliding-window layers, "
-                                 f"but sliding_layers={self.sliding_layers!r} keeps them as they are; allowed: "
-                                 "sliding_layers='quantized' or 'tokens' with it, or sliding_bits=None")
-            if self.layer_bits is not None:
-                raise ValueError(f"sliding_bits={self.sliding_bits} and layer_bits both set the widths of sliding "
-                                 "layers; allowed: one of them (layer_bits holds a pair for every layer)")
-        if self.sliding_v_bits is not None:
-            _check_choice("sliding_v_bits", self.sliding_v_bits, SUPPORTED_BITS)
-            if self.sliding_bits is None:
-                raise ValueError(f"sliding_v_bits={self.sliding_v_bits} sets the value width of sliding layers beside "
-                                 "their key width, sliding_bits, which is None; allowed: sliding_bits=N with it, or "
-                                 "sliding_v_bits=None")
-
-    def _check_other(self) -> None:
-        _check_choice("scale_dtype", self.scale_dtype, tuple(SCALE_DTYPES))
-        _check_choice("kernel", self.kernel, KERNELS)
-        for name in ("clip_search", "codebooks"):
-            _check_choice(name, getattr(self, name), (True, False))
-        _check_nonneg_int("outliers", self.outliers)
-        if self.outliers:
-            if max(self.k_group_size, self.v_group_size or 0) > 256:
-                raise ValueError(f"outliers need groups of at most 256 (1-byte offsets); got k_group_size="
-                                 f"{self.k_group_size}, v_group_size={self.v_group_size}")
-            smallest = min(self.k_group_size, self.v_group_size or 8)
-            if self.outliers >= smallest:
-                raise ValueError(f"outliers={self.outliers} must be smaller than every group (k_group_size="
-                                 f"{self.k_group_size}, v_group_size={self.v_group_size or 'auto, >= 8'})")
+        for check in (_check_widths, _check_keys, _check_rotation, _check_values, _check_kept, _check_sliding,
+                      _check_other):  # one per part of the recipe (below the class)
+            check(self)
 
     def codebook_streams(self) -> str:
         """The streams a calibration file's codebooks apply to: "k" when keys are unrotated, "v" when values are
@@ -308,10 +208,6 @@ class QuantCacheConfig:
             return "minmax8"
         return "norm" if self.rotation != "none" else "minmax"
 
-    def token_bytes(self, head_dim: int) -> float:
-        """Bytes per token and head of a window-only sliding layer's key and value together (qcache/layout.py)."""
-        return layout.held_bytes(self, head_dim, 1, window_only=True)
-
     def token_group_size(self, head_dim: int) -> int:
         """Channels per scale/zero of an unrotated window-only token below 8 bits (`v_group_size`, or the largest
         multiple of 8 up to 64 that divides head_dim)."""
@@ -355,43 +251,94 @@ class QuantCacheConfig:
                              f"{missing}; allowed: {names}")
         return cls(**d)
 
-    @classmethod
-    def from_legacy_dict(cls, d: dict) -> "QuantCacheConfig":
-        """The options of a file written before recipes were complete (calibration format 1 and 2): an option it
-        leaves out, or holds as None where it now holds a value, is the behaviour from before that option existed
-        (`LEGACY_OPTIONS`); a `bits` entry sets both widths."""
-        d = dict(d)
-        bits = d.pop("bits", None)
-        if bits is not None:
-            d["k_bits"] = d["v_bits"] = bits
-        for name, value in LEGACY_OPTIONS.items():
-            if d.get(name) is None:
-                d[name] = value
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown QuantCacheConfig options {unknown}; allowed: {sorted(names)}")
-        return cls(**d)
 
-    def full_precision_tokens(self, num_tokens: int) -> int:
-        """Tokens of a `num_tokens`-long sequence that this layout keeps unquantized in blocks: the sinks and the
-        residual (worst case of the per-channel block being filled)."""
-        counts = layout.entries(self, num_tokens)
-        return counts["sink"] + counts["residual"]
+# -- the checks, one per part of the recipe (`QuantCacheConfig.__post_init__`) ---------------------------------
+def _check_widths(cfg: "QuantCacheConfig") -> None:
+    _check_choice("k_bits", cfg.k_bits, SUPPORTED_BITS)
+    _check_choice("v_bits", cfg.v_bits, SUPPORTED_BITS)
+    if cfg.layer_bits is None:
+        return
+    pairs = parse_layer_bits(cfg.layer_bits) if isinstance(cfg.layer_bits, str) else cfg.layer_bits
+    if (not isinstance(pairs, (list, tuple)) or not pairs
+            or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs)):
+        raise ValueError(f"layer_bits={pairs!r} must be a non-empty list of (k_bits, v_bits) pairs, one per layer")
+    for i, (kb, vb) in enumerate(pairs):
+        _check_choice(f"layer_bits[{i}] k_bits", kb, SUPPORTED_BITS)
+        _check_choice(f"layer_bits[{i}] v_bits", vb, SUPPORTED_BITS)
+    object.__setattr__(cfg, "layer_bits", tuple((int(kb), int(vb)) for kb, vb in pairs))
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
-                        fp_bytes: int = 2) -> float:
-        """Expected bytes held per token (one batch row), averaged over `num_tokens`, all layers: the parts a layer's
-        codecs declare (packed data, scales/zeros, outliers, sinks and the residual; qcache/layout.py) times their
-        entries at `num_tokens`, plus the int64 first position kept per row. Matches what
-        `QuantCache.memory()` counts, less its preallocated-but-unused capacity (`reserved`), the RoPE helper's
-        few KB (`rope`) and the per-cache constants (`codebooks`, `rotation`). With `layer_bits`: the mean over its
-        layers, times `num_layers`."""
-        self.check_head_dim(head_dim)
-        if self.layer_bits is not None:
-            per_layer = [self.for_layer(i).bytes_per_token(1, num_kv_heads, head_dim, num_tokens, fp_bytes)
-                         for i in range(len(self.layer_bits))]
-            return num_layers * sum(per_layer) / len(per_layer)
-        per_head = layout.held_bytes(self, head_dim, num_tokens, fp_bytes)  # the parts the layer's codecs declare
-        positions = 8  # int64 position of the row's first token (per batch row, per layer)
-        return num_layers * (num_kv_heads * per_head + positions) / num_tokens
+def _check_rotation(cfg: "QuantCacheConfig") -> None:
+    _check_choice("rotation", cfg.rotation, ROTATIONS)
+    _check_nonneg_int("rotation_seed", cfg.rotation_seed)
+    _check_choice("rotate", cfg.rotate, ROTATE)
+    if cfg.rotation == "none":
+        _conflicts("rotation='none' rotates nothing", cfg, {"rotate": "kv", "v_scale": "minmax"},
+                   {"rotate": "needs a rotation", "v_scale": "needs rotated values (its levels assume them)"})
+
+def _check_keys(cfg: "QuantCacheConfig") -> None:
+    _check_positive_int("k_group_size", cfg.k_group_size)
+    _check_choice("levels", cfg.levels, LEVELS)
+    _check_choice("rope", cfg.rope, ROPE_MODES)
+    _check_choice("static_keys", cfg.static_keys, (True, False))
+    if cfg.static_keys:  # calibrated in unrotated space, on each channel's fixed range
+        _conflicts("static_keys=True holds calibrated, unrotated key ranges", cfg,
+                   {"rotation": "none", "rotate": "kv", "v_scale": "minmax", "levels": "uniform", "outliers": 0},
+                   {"rotation": "is not supported with static_keys=True (static key ranges are calibrated in "
+                                "unrotated space)",
+                    "levels": "is not supported with static_keys=True (the levels are fitted to each group's own "
+                              "min/max, static keys have none)",
+                    "rotate": "needs a rotation", "v_scale": "needs rotated values",
+                    "outliers": "is not supported with static_keys=True"})
+
+def _check_values(cfg: "QuantCacheConfig") -> None:
+    _check_choice("v_scale", cfg.v_scale, V_SCALES)
+    if cfg.v_group_size is not None:
+        _check_positive_int("v_group_size", cfg.v_group_size)
+        if cfg.v_group_size % 8:
+            raise ValueError(f"v_group_size={cfg.v_group_size} must be a multiple of 8 (bit packing works on 8 "
+                             "values)")
+    if cfg.v_scale == "norm":
+        if cfg.rotation == "hadamard" and cfg.rotate == "k":
+            raise ValueError(f"v_scale='norm' needs rotated values (its levels assume them); got rotation="
+                             f"{cfg.rotation!r}, rotate={cfg.rotate!r}; allowed: rotate 'auto', 'kv' or 'v', or "
+                             "v_scale='minmax'")
+        _conflicts("v_scale='norm' scales whole heads (no groups, outliers or range clipping)", cfg,
+                   {"outliers": 0, "clip_search": False, "v_group_size": None}, {}, fix="v_scale='minmax'")
+
+def _check_kept(cfg: "QuantCacheConfig") -> None:
+    _check_nonneg_int("sink_tokens", cfg.sink_tokens)
+    _check_nonneg_int("recent_tokens", cfg.recent_tokens)
+    _check_choice("window_bits", cfg.window_bits, WINDOW_BITS)
+
+def _check_sliding(cfg: "QuantCacheConfig") -> None:
+    _check_choice("sliding_layers", cfg.sliding_layers, SLIDING_MODES)
+    if cfg.sliding_bits is not None:
+        _check_choice("sliding_bits", cfg.sliding_bits, SUPPORTED_BITS)
+        if cfg.sliding_layers == "native":
+            raise ValueError(f"sliding_bits={cfg.sliding_bits} sets the width of quantized sliding-window layers, "
+                             f"but sliding_layers={cfg.sliding_layers!r} keeps them as they are; allowed: "
+                             "sliding_layers='quantized' or 'tokens' with it, or sliding_bits=None")
+        if cfg.layer_bits is not None:
+            raise ValueError(f"sliding_bits={cfg.sliding_bits} and layer_bits both set the widths of sliding "
+                             "layers; allowed: one of them (layer_bits holds a pair for every layer)")
+    if cfg.sliding_v_bits is not None:
+        _check_choice("sliding_v_bits", cfg.sliding_v_bits, SUPPORTED_BITS)
+        if cfg.sliding_bits is None:
+            raise ValueError(f"sliding_v_bits={cfg.sliding_v_bits} sets the value width of sliding layers beside "
+                             "their key width, sliding_bits, which is None; allowed: sliding_bits=N with it, or "
+                             "sliding_v_bits=None")
+
+def _check_other(cfg: "QuantCacheConfig") -> None:
+    _check_choice("scale_dtype", cfg.scale_dtype, tuple(SCALE_DTYPES))
+    _check_choice("kernel", cfg.kernel, KERNELS)
+    for name in ("clip_search", "codebooks"):
+        _check_choice(name, getattr(cfg, name), (True, False))
+    _check_nonneg_int("outliers", cfg.outliers)
+    if cfg.outliers:
+        if max(cfg.k_group_size, cfg.v_group_size or 0) > 256:
+            raise ValueError(f"outliers need groups of at most 256 (1-byte offsets); got k_group_size="
+                             f"{cfg.k_group_size}, v_group_size={cfg.v_group_size}")
+        smallest = min(cfg.k_group_size, cfg.v_group_size or 8)
+        if cfg.outliers >= smallest:
+            raise ValueError(f"outliers={cfg.outliers} must be smaller than every group (k_group_size="
+                             f"{cfg.k_group_size}, v_group_size={cfg.v_group_size or 'auto, >= 8'})")

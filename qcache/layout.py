@@ -2,7 +2,7 @@
 
 `QuantLayer` builds its codecs here (`key_codec`, `value_codec`, `token_codecs`) and its store from `layer_parts`;
 the bytes a layer holds at a context are those parts times how many entries each axis has then (`entries`). So
-`QuantCacheConfig.bytes_per_token` (what `python -m qcache.size` and the per-layer budget read) and the store that
+`bytes_per_token` (what `python -m qcache.size` and the per-layer budget read) and the store that
 `cache.memory()` measures count the same declared tensors: there is no second formula to keep in step.
 
     axis       entries at the end of N tokens (a full-attention layer; S sinks, R recent tokens, G tokens per block)
@@ -23,7 +23,7 @@ from .codec import KeyCodec, ValueCodec
 from .store import Part
 
 __all__ = ["key_codec", "value_codec", "token_codecs", "window_codecs", "layer_parts", "entries", "held_bytes",
-           "CLIP_RATIOS"]
+           "bytes_per_token", "full_precision_tokens", "token_bytes", "CLIP_RATIOS"]
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 _FP_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32}  # a stand-in dtype of the cache's element size
@@ -113,3 +113,32 @@ def held_bytes(cfg, head_dim: int, num_tokens: int, fp_bytes: int = 2, window_on
         parts = layer_parts(key_codec(cfg), value_codec(cfg, head_dim), window, head_dim, dtype)
     counts = entries(cfg, num_tokens, window_only)
     return sum(part.entry_bytes * counts[part.axis] for part in parts)
+
+
+def full_precision_tokens(cfg, num_tokens: int) -> int:
+    """Tokens of a `num_tokens`-long sequence that a block layer with options `cfg` keeps unquantized: the sinks and
+    the residual (worst case of the per-channel block being filled)."""
+    counts = entries(cfg, num_tokens)
+    return counts["sink"] + counts["residual"]
+
+
+def token_bytes(cfg, head_dim: int) -> float:
+    """Bytes per token and head of a window-only sliding layer's key and value together."""
+    return held_bytes(cfg, head_dim, 1, window_only=True)
+
+
+def bytes_per_token(cfg, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
+                    fp_bytes: int = 2) -> float:
+    """Expected bytes held per token (one batch row), averaged over `num_tokens`, all layers of options `cfg`: the
+    parts a layer's codecs declare (packed data, scales/zeros, outliers, sinks and the residual) times their entries
+    at `num_tokens`, plus the int64 first position kept per row. Matches what `QuantCache.memory()` counts, less its
+    preallocated-but-unused capacity (`reserved`), the RoPE helper's few KB (`rope`) and the per-cache constants
+    (`codebooks`, `rotation`). With `layer_bits`: the mean over its layers, times `num_layers`."""
+    cfg.check_head_dim(head_dim)
+    if cfg.layer_bits is not None:
+        per_layer = [bytes_per_token(cfg.for_layer(i), 1, num_kv_heads, head_dim, num_tokens, fp_bytes)
+                     for i in range(len(cfg.layer_bits))]
+        return num_layers * sum(per_layer) / len(per_layer)
+    per_head = held_bytes(cfg, head_dim, num_tokens, fp_bytes)  # the parts the layer's codecs declare
+    positions = 8  # int64 position of the row's first token (per batch row, per layer)
+    return num_layers * (num_kv_heads * per_head + positions) / num_tokens

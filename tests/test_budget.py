@@ -10,6 +10,7 @@ import torch
 from calibration import calibrate
 from calibration.budget import allocate, choose_rotate, measure_sensitivities, needle_floors, plan_bits_per_value
 from conftest import make_model
+from qcache import layout
 from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
 from qcache.calibfile import load_calibration
@@ -42,9 +43,9 @@ def test_layer_bits_build_per_layer_codecs_and_count_their_bytes():
     cfg = cache.options
     assert QuantCacheConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.mean_bits() == pytest.approx(11 / 4)
-    both = cfg.bytes_per_token(2, 2, 32, 1000)
-    assert both == pytest.approx(cfg.for_layer(0).bytes_per_token(1, 2, 32, 1000)
-                                 + cfg.for_layer(1).bytes_per_token(1, 2, 32, 1000))
+    both = layout.bytes_per_token(cfg, 2, 2, 32, 1000)
+    assert both == pytest.approx(layout.bytes_per_token(cfg.for_layer(0), 1, 2, 32, 1000)
+                                 + layout.bytes_per_token(cfg.for_layer(1), 1, 2, 32, 1000))
 
 
 def test_layer_bits_for_another_number_of_layers_raise():

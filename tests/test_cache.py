@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from conftest import make_model
+from qcache import layout
 from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
 from qcache.handover import HeldStates
@@ -240,7 +241,7 @@ def test_memory_counts_really_packed_storage(bits):
     assert mem.packed == layers * heads * tq * head_dim * 2 * bits // 8  # K and V, bits/8 bytes per value
     assert mem.full_precision == layers * heads * (150 - tq) * head_dim * 2 * 4  # fp32 model
     assert mem.tokens == 150
-    expected = recipe(bits=bits, **EXACT, scale_dtype="float16").bytes_per_token(
+    expected = layout.bytes_per_token(recipe(bits=bits, **EXACT, scale_dtype="float16"),
         layers, heads, head_dim, 150, fp_bytes=4) * 150
     assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)

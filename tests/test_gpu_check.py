@@ -98,7 +98,7 @@ def test_decode_measures_every_cache_against_the_default(smoke, name, rows):
 @pytest.mark.parametrize("row", ["default", "quant-4bit", "quant-4bit+eager"])
 def test_memory_matches_the_formula_on_full_attention(smoke, row):
     """tiny-llama (full attention, bf16): the default cache holds exactly the 16-bit formula; QuantCache's layout
-    (memory() less reserved capacity and the RoPE helper) is exactly QuantCacheConfig.bytes_per_token's."""
+    (memory() less reserved capacity and the RoPE helper) is exactly qcache.layout.bytes_per_token's."""
     result = smoke[0]["sections"]["decode/tiny-llama/256"]["result"]
     r = next(x for x in result["rows"] if x["row"] == row)
     assert r["layout_vs_formula"] == pytest.approx(1.0, abs=1e-12)

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from conftest import make_model
 from kv_checks import compiled_matches_eager, fused_decode_matches_read
+from qcache import layout
 from qcache import QuantCache, QuantCacheConfig
 from qcache.codec import ValueCodec
 from qcache.tools.footprint import reachable_bytes
@@ -103,8 +104,8 @@ def test_options_round_trip_and_sizes():
     assert cfg.value_group_size(64) == 64
     minmax = QuantCacheConfig(k_bits=3, v_bits=3, rotation="hadamard", levels="lloyd-max", v_scale="minmax")
     # one fp16 scale per token and head instead of a scale and a zero per 64 channels
-    diff = minmax.bytes_per_token(30, 3, 64, 8192) - cfg.bytes_per_token(30, 3, 64, 8192)
-    assert diff == pytest.approx(30 * 3 * 2 * (8192 - cfg.full_precision_tokens(8192)) / 8192)
+    diff = layout.bytes_per_token(minmax, 30, 3, 64, 8192) - layout.bytes_per_token(cfg, 30, 3, 64, 8192)
+    assert diff == pytest.approx(30 * 3 * 2 * (8192 - layout.full_precision_tokens(cfg, 8192)) / 8192)
 
 
 # --- a cache -------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from qcache import layout
 from qcache.presets import recipe
 from qcache.tools.footprint import reachable_bytes
 
@@ -57,7 +58,7 @@ def test_cache_with_outliers_is_closer_and_counts_its_bytes():
     assert store.view("k_out_idx").shape == (1, 2, nb, 2, 32) and store.view("v_out_idx").shape == (1, 2, tq, 2, 2)
     mem = cache.memory()
     assert mem.outliers == 2 * 2 * 2 * (nb * 32 + tq * 2) * (4 + 1)  # layers x heads x m x count x (fp32 + offset)
-    expected = recipe(bits=2, outliers=2, levels="uniform", **OPTS).bytes_per_token(
+    expected = layout.bytes_per_token(recipe(bits=2, outliers=2, levels="uniform", **OPTS),
         2, 2, 32, 150, fp_bytes=4) * 150
     assert mem.total - mem.reserved - mem.rope == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)

@@ -8,6 +8,7 @@ import pytest
 from conftest import make_model
 from qcache import QuantCache, QuantCacheConfig
 from qcache.presets import DEFAULT_PRESET, PRESETS, recipe
+from qcache.calibfile import legacy_recipe
 from test_cache import generate, prompt
 
 # what distinguishes each row (every other field is the dataclass default); a change here is a change of defaults
@@ -92,12 +93,12 @@ def test_a_calibration_file_stores_its_recipe_and_old_files_read_through_one_rea
     # a file written before rotation, Lloyd-Max levels, norm values and the 8-bit window existed: what it meant
     old = {"k_bits": 4, "v_bits": 2, "k_group_size": 64, "sink_tokens": 4, "recent_tokens": 128,
            "static_keys": True, "codebooks": None}
-    read = QuantCacheConfig.from_legacy_dict(old)
+    read = legacy_recipe(old)
     assert (read.rotation, read.rotate, read.v_scale, read.levels, read.window_bits, read.codebooks) == (
         "none", "kv", "minmax", "uniform", 16, True)
-    assert QuantCacheConfig.from_legacy_dict({**PRESETS["k4v4"].to_dict(), "bits": 3}).v_bits == 3
+    assert legacy_recipe({**PRESETS["k4v4"].to_dict(), "bits": 3}).v_bits == 3
     with pytest.raises(ValueError, match=r"unknown QuantCacheConfig options \['bogus'\]"):
-        QuantCacheConfig.from_legacy_dict({"bogus": 1})
+        legacy_recipe({"bogus": 1})
 
 
 @pytest.mark.parametrize("given,streams", [

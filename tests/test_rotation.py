@@ -10,7 +10,7 @@ from conftest import COMMON, make_model
 from kv_checks import compiled_matches_eager, fused_decode_matches_read
 from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
-from qcache.calibfile import CalibrationData, load_calibration, save_calibration
+from qcache.calibfile import CalibrationData, legacy_recipe, load_calibration, save_calibration
 from qcache.cache import model_fingerprint
 from qcache.tools.footprint import reachable_bytes
 from qcache.rotation import SharedRotation, check_rotation_dim, hadamard_rotation, rotation_block
@@ -136,7 +136,7 @@ def test_options_round_trip_and_old_dicts_load():
     old = {k: v for k, v in cfg.to_dict().items() if k not in ("rotation", "rotation_seed", "levels", "v_scale",
                                                               "rotate", "window_bits")}
     # files written before these options: the behaviour from before them (no rotation, min-max values, 16-bit window)
-    legacy = QuantCacheConfig.from_legacy_dict(old)
+    legacy = legacy_recipe(old)
     assert (legacy.rotation, legacy.rotate, legacy.v_scale, legacy.levels, legacy.window_bits) == (
         "none", "kv", "minmax", "uniform", 16)
     with pytest.raises(ValueError, match=r"missing \['rotation', 'rotation_seed', 'levels'"):
@@ -144,7 +144,7 @@ def test_options_round_trip_and_old_dicts_load():
     with pytest.raises(ValueError, match=r"got unknown \['future'\]"):
         QuantCacheConfig.from_dict({**cfg.to_dict(), "future": 1})
     with pytest.raises(ValueError, match=r"unknown QuantCacheConfig options \['future'\]"):
-        QuantCacheConfig.from_legacy_dict({**old, "future": 1})
+        legacy_recipe({**old, "future": 1})
 
 
 def test_calibrated_codebooks_go_to_unrotated_streams_only_and_file_keeps_options(tmp_path):

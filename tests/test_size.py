@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from qcache import layout
 from qcache.presets import recipe
 from qcache.tools.size import (
     FORMATS,
@@ -133,7 +134,7 @@ def test_qcache_rows_smaller_than_16bit_and_ordered_by_bits(layers, kv_heads, he
 def test_qcache_rows_match_quant_cache_config(bits):
     g, context = Geometry(32, 8, 128), 131072
     row = _row(size_table(g, context), f"qcache-{bits}bit")
-    assert row["bytes_per_token"] == recipe(bits=bits).bytes_per_token(32, 8, 128, context, fp_bytes=2)
+    assert row["bytes_per_token"] == layout.bytes_per_token(recipe(bits=bits), 32, 8, 128, context, fp_bytes=2)
 
 
 def test_size_table_rows_in_format_order():

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import make_model
+from qcache import layout
 from qcache.presets import recipe
 from qcache import QuantCache, QuantCacheConfig
 from qcache.tools.footprint import reachable_bytes
@@ -44,7 +45,7 @@ def test_window_bytes_are_counted(bits):
     logits(model, prompt(150), cache)
     mem = cache.memory()
     heads, head_dim, layers = 2, 32, 2
-    expected = recipe(bits=bits, window_bits=8, **OPTS).bytes_per_token(layers, heads, head_dim, 150,
+    expected = layout.bytes_per_token(recipe(bits=bits, window_bits=8, **OPTS), layers, heads, head_dim, 150,
                                                                                   fp_bytes=4) * 150
     assert mem.total - mem.reserved - mem.rope - mem.rotation - mem.codebooks == pytest.approx(expected)
     assert mem.total == reachable_bytes(cache)

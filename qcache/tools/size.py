@@ -15,7 +15,7 @@ Plain formats store every cached value at a fixed size; per token that is
 | q8_0   | 1.0625      | llama.cpp: 32 int8 + one fp16 scale      |
 | q4_0   | 0.5625      | llama.cpp: 32 4-bit + one fp16 scale     |
 
-qcache rows come from `QuantCacheConfig.bytes_per_token` (packed codes, scales/zeros, outliers, the full-precision
+qcache rows come from `qcache.layout.bytes_per_token` (packed codes, scales/zeros, outliers, the full-precision
 sink, recent and filling-block tokens, one position per row), so they depend on the context they are averaged over.
 
 Sliding-window layers (`layer_types` with "sliding_attention") hold at most `sliding_window` tokens, so at long context they cost a constant; every "per token" figure here is total bytes / context. Under qcache
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qcache import layout
 from qcache.config import SLIDING_MODES, SUPPORTED_BITS, QuantCacheConfig
 from qcache.presets import recipe
 
@@ -235,7 +236,7 @@ def cache_bytes(geometry: Geometry, fmt: str, num_tokens: int,
         sliding = kv_bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, bpv) * sliding_tokens
         return full, sliding
     cfg = recipe(bits=QCACHE_FORMATS[fmt], **(qcache or {}))
-    full = cfg.bytes_per_token(g.full_layers, g.kv_heads, g.head_dim, num_tokens) * num_tokens
+    full = layout.bytes_per_token(cfg, g.full_layers, g.kv_heads, g.head_dim, num_tokens) * num_tokens
     if not sliding_tokens:
         sliding = 0.0
     elif cfg.sliding_layers == "native":
@@ -245,9 +246,9 @@ def cache_bytes(geometry: Geometry, fmt: str, num_tokens: int,
         if layer.holds_window_only():  # the whole window as tokens quantized one by one, no key blocks
             layer.check_head_dim(g.head_dim)
             positions = 8  # the int64 position of the row's first token, per layer
-            sliding = g.sliding_layers * (g.kv_heads * sliding_tokens * layer.token_bytes(g.head_dim) + positions)
+            sliding = g.sliding_layers * (g.kv_heads * sliding_tokens * layout.token_bytes(layer, g.head_dim) + positions)
         else:
-            sliding = layer.bytes_per_token(g.sliding_layers, g.kv_heads, g.head_dim, sliding_tokens) * sliding_tokens
+            sliding = layout.bytes_per_token(layer, g.sliding_layers, g.kv_heads, g.head_dim, sliding_tokens) * sliding_tokens
     return full, sliding
 
 
