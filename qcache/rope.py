@@ -24,7 +24,8 @@ rounded to within 2^-24 of p t, about 5e-4 rad at p = 8192 for the fastest frequ
 RoPE types whose frequencies depend on the sequence length ("dynamic", "longrope") rotate a token differently
 depending on how long the sequence was when attention rotated it; such models are refused (rope='post' stores
 their keys as attention produced them). Partial rotary (cos narrower than head_dim) rotates the leading dims and
-passes the rest through. At construction the rotation is checked against the modeling file's own
+passes the rest through; a rotary module that hands one cos/sin per rotated pair (gpt-oss: width head_dim/2, channel
+i paired with i + head_dim/2) is the rotate-half layout with its halves written once, and is widened to it. At construction the rotation is checked against the modeling file's own
 `apply_rotary_pos_emb`; a model with another layout (e.g. interleaved pairs), or whose layout cannot be checked,
 raises instead of being stored wrongly.
 """
@@ -180,7 +181,10 @@ class RopeHelper:
             return None
         return self.layer_types[layer_idx]
 
-    def _compute(self, position_ids: torch.Tensor, layer_type) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute(self, position_ids: torch.Tensor, layer_type, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [B, T, R] of the model's rotary module; a module that hands one cos/sin per rotated pair
+        (gpt-oss: width D/2, pairing channel i with i + D/2 as rotate-half does) is widened to the rotate-half
+        layout [c, c] unless `raw` (what the modeling file's own function takes)."""
         device = position_ids.device
         if next(iter(self.rotary.buffers())).device != device:
             self.rotary.to(device)
@@ -188,7 +192,10 @@ class RopeHelper:
         args = (dummy, position_ids) + ((layer_type,) if self.takes_layer_type else ())
         with torch.no_grad():
             cos, sin = self.rotary(*args)
-        return cos.float(), sin.float()
+        cos, sin = cos.float(), sin.float()
+        if not raw and cos.shape[-1] * 2 == self.head_dim and not self._partial_rotary(layer_type):
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        return cos, sin
 
     def cos_sin(self, position_ids: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin [B, T, R] the model computes for integer positions [B, T] (negative positions, i.e.
@@ -261,7 +268,8 @@ class RopeHelper:
             cos, sin = self.cos_sin(pos, idx)
             # partial rotary: modeling files that rotate only the leading channels are handed only those
             sample = x[..., :cos.shape[-1]] if self._partial_rotary(layer_type) else x
-            expected = _call_reference(ref, sample, cos, sin, self.config.model_type, modeling_module.__name__)
+            raw = self._compute(pos, layer_type, raw=True)  # as the model's attention hands them over
+            expected = _call_reference(ref, sample, *raw, self.config.model_type, modeling_module.__name__)
             got = apply_rope(sample, cos, sin)
             if not all(torch.allclose(got, e, rtol=1e-5, atol=1e-5) for e in expected):
                 raise ValueError(
