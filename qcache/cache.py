@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache
 
 from .binding import attention_module_on_stack, check_states
 from ._compat import binding_context, check_transformers
-from .calibfile import CalibrationData, load_calibration, model_fingerprint
+from .calibfile import CalibrationData, differences, load_calibration, model_fingerprint
 from .config import QuantCacheConfig
 from .keyrot import layer_ratio
 from .layers import (BlockLayer, CacheMemory, QuantLayer, SlidingWindowLayer, TokenWindowLayer,
@@ -168,9 +168,9 @@ class QuantCache(Cache):
             return
         fingerprint = model_fingerprint(text_config)
         if fingerprint != self._fingerprint:
-            diff = {k: (self._fingerprint[k], fingerprint[k]) for k in fingerprint if fingerprint[k] != self._fingerprint[k]}
             raise ValueError(
-                f"this QuantCache was built for another model (held, got): {diff}; use a new QuantCache per model "
+                f"this QuantCache was built for another model (held, got): {differences(self._fingerprint, fingerprint)}"
+                "; use a new QuantCache per model "
                 "(or reset() it)"
             )
         self._config_obj = config

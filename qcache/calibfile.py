@@ -96,15 +96,36 @@ class CalibrationData:
     def check_model(self, fingerprint: dict) -> None:
         """Raise if this file was made for another model."""
         if fingerprint != self.model:
-            diff = {k: (self.model.get(k), fingerprint.get(k)) for k in set(fingerprint) | set(self.model)
-                    if fingerprint.get(k) != self.model.get(k)}
-            raise ValueError(f"calibration file {self.path or ''} was made for another model (file, model): {diff}")
+            raise ValueError(f"calibration file {self.path or ''} was made for another model (file, model): "
+                             f"{differences(self.model, fingerprint)}")
+
+
+def differences(held: dict, given: dict) -> dict:
+    """{key: (held value, given value)} for every key where two dicts (fingerprints, recipes) differ."""
+    keys = [*held, *(k for k in given if k not in held)]  # in the held dict's order
+    return {k: (held.get(k), given.get(k)) for k in keys if held.get(k) != given.get(k)}
+
+
+def write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file so that an interrupted run leaves no file at `path` (only a temporary file beside it
+    that never loads)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def save_calibration(path: str | os.PathLike, data: CalibrationData) -> Path:
-    """Write atomically: an interrupted run leaves no file at `path` (only a temporary file that never loads)."""
-    from safetensors.torch import save_file
-
+    """Write atomically (`write_atomically`)."""
     from ._version import __version__
 
     path = Path(path)
@@ -127,17 +148,7 @@ def save_calibration(path: str | os.PathLike, data: CalibrationData) -> Path:
         "settings": json.dumps(data.settings, sort_keys=True),
         "layers": json.dumps(sorted(data.layers)),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, tensors, metadata)
     return path
 
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 import copy
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .calibfile import CalibrationData
+from .calibfile import CalibrationData, differences, model_fingerprint, write_atomically
 from .config import QuantCacheConfig
 from .layers import BlockLayer, QuantLayer, SlidingWindowLayer
 from .store import AXES
@@ -52,8 +51,6 @@ def _layer_meta(layer) -> dict:
 
 def save_cache(cache, path: str | os.PathLike) -> Path:
     """Write `cache` (a bound `QuantCache`) to `path` atomically; returns the path."""
-    from safetensors.torch import save_file
-
     from ._version import __version__
 
     if cache._fingerprint is None:
@@ -79,17 +76,7 @@ def save_cache(cache, path: str | os.PathLike) -> Path:
                 "model": json.dumps(cache._fingerprint, sort_keys=True),
                 "recipe": json.dumps(cache.options.to_dict(), sort_keys=True), "layers": json.dumps(layers)}
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, tensors, metadata)
     return path
 
 
@@ -123,8 +110,6 @@ def load_cache(cls, path: str | os.PathLike, model_or_config, options: QuantCach
                device: torch.device | str | None = None):
     """The cache saved at `path`, for `model_or_config` (a model: its config, and its device unless `device` is
     given), checked against `options` if given. Raises ValueError naming what does not match."""
-    from .calibfile import model_fingerprint
-
     path = Path(path)
     meta, tensors = _read(path)
     config = getattr(model_or_config, "config", model_or_config)
@@ -132,14 +117,13 @@ def load_cache(cls, path: str | os.PathLike, model_or_config, options: QuantCach
         device = getattr(model_or_config, "device", "cpu")
     fingerprint = model_fingerprint(config.get_text_config(decoder=True))
     if fingerprint != meta["model"]:
-        diff = {k: (meta["model"].get(k), fingerprint.get(k)) for k in set(fingerprint) | set(meta["model"])
-                if fingerprint.get(k) != meta["model"].get(k)}
-        raise ValueError(f"{path} holds a cache of another model (file, model): {diff}")
+        raise ValueError(f"{path} holds a cache of another model (file, model): "
+                         f"{differences(meta['model'], fingerprint)}")
     recipe = QuantCacheConfig.from_dict(meta["recipe"])
     if options is not None and options != recipe:
-        diff = {k: (v, options.to_dict()[k]) for k, v in recipe.to_dict().items() if options.to_dict()[k] != v}
-        raise ValueError(f"{path} holds a cache of another recipe (file, asked): {diff}; load it without options= "
-                         "or save one with these options")
+        raise ValueError(f"{path} holds a cache of another recipe (file, asked): "
+                         f"{differences(recipe.to_dict(), options.to_dict())}; load it without options= or save one "
+                         "with these options")
     layer_calibration = {}
     for name, t in tensors.items():
         parts = name.split(".")
@@ -177,8 +161,8 @@ def _load_quant_layer(path: Path, i: int, layer: QuantLayer, lm: dict, tensors: 
     if isinstance(layer, BlockLayer) and layer.cfg.rotate == "auto" and lm["recipe"]["rotate"] != "auto":
         layer.choose_key_rotation(lm["key_rotation_ratio"])  # the choice it made, from the ratio it made it by
     if layer.cfg.to_dict() != lm["recipe"]:
-        diff = {k: (v, layer.cfg.to_dict()[k]) for k, v in lm["recipe"].items() if layer.cfg.to_dict()[k] != v}
-        raise ValueError(f"{path}: layer {i} was held with other options (file, rebuilt): {diff}")
+        raise ValueError(f"{path}: layer {i} was held with other options (file, rebuilt): "
+                         f"{differences(lm['recipe'], layer.cfg.to_dict())}")
     if not lm["initialized"]:
         return
     B, H, D = lm["batch"], lm["heads"], lm["head_dim"]
