@@ -127,6 +127,7 @@ class QuantLayer(CacheLayerMixin):
         self._rotation, self._owns_rotation = rotation, False
         self.key_rotation_ratio: float | None = None  # rotate="auto": the estimate the choice was made on
         self.consts: dict[str, dict] = {"k": {}, "v": {}}  # the key and value codecs' constants
+        self._handed: weakref.ref | None = None  # the decode step last handed to attention (qcache/handover.py)
         self._configure(cfg)
         self._clear()
 
@@ -135,7 +136,7 @@ class QuantLayer(CacheLayerMixin):
 
     def _settle(self) -> None:
         """Before this layer changes: a decode step handed out and still referenced keeps what it showed."""
-        step = self._handed() if getattr(self, "_handed", None) is not None else None
+        step = self._handed() if self._handed is not None else None
         if step is not None and step.live:
             step.settle()
         self._handed = None
@@ -148,10 +149,11 @@ class QuantLayer(CacheLayerMixin):
         self.first: torch.Tensor | None = None  # [B] int64: position of each row's first stored token
         self.dropped = 0  # tokens evicted from the front (sliding layers)
         self.cumulative_length = 0  # tokens ever seen (what sliding masks count)
+        self.window_codecs = self.window_consts = None  # the residual's token codecs and their constants, if any
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # [B, H, T, D]
-        self.dtype, self.device, self._head_dim = key_states.dtype, key_states.device, D
+        self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, D
         if self.cfg.rotation != "none":
             if self._rotation is None:
                 self._rotation, self._owns_rotation = SharedRotation(D, self.cfg.rotation_seed), True
@@ -203,10 +205,6 @@ class QuantLayer(CacheLayerMixin):
         kv_before = self.get_mask_sizes(T)[0] - T if self.is_sliding else None
         self.cumulative_length += T
         return T, kv_before
-
-    @property
-    def head_dim(self) -> int:
-        return self._head_dim
 
     def _append_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append tokens (cache dtype, keys after RoPE) to the residual, through its token codecs if it has them."""
@@ -296,7 +294,7 @@ class QuantLayer(CacheLayerMixin):
     def const_tensors(self) -> list[torch.Tensor]:
         """The codecs' constant tensors this layer holds (levels, static key ranges)."""
         out = [t for consts in self.consts.values() for n, t in consts.items() if t is not None and n != "rotation"]
-        return out + [t for c in (getattr(self, "window_consts", None) or ()) for n, t in c.items() if n == "codebook"]
+        return out + [t for c in (self.window_consts or ()) for n, t in c.items() if n == "codebook"]
 
     def memory(self) -> CacheMemory:
         """Bytes held by this layer (the RoPE helper, shared by the layers of a cache, is counted by the cache)."""

@@ -173,6 +173,9 @@ class RopeHelper:
                 f"be stored pre-RoPE; not supported: {list(SEQ_DEPENDENT_ROPE)}; allowed for such models: rope='post'"
             )
         self._offsets: dict = {}  # (layer_type, F, device) -> (cos, sin) [F, R/2] at offsets 0..F-1, unit scale
+        # per layer type, decided at its first cos/sin: the module hands one cos/sin per rotated pair (width
+        # head_dim/2 with every channel rotated)
+        self._widen: dict = {}
         self._check_layout(modeling_module)
 
     # -- cos/sin ---------------------------------------------------------------------------------------------
@@ -193,7 +196,10 @@ class RopeHelper:
         with torch.no_grad():
             cos, sin = self.rotary(*args)
         cos, sin = cos.float(), sin.float()
-        if not raw and cos.shape[-1] * 2 == self.head_dim and not self._partial_rotary(layer_type):
+        widen = self._widen.get(layer_type)
+        if widen is None:
+            widen = self._widen[layer_type] = 2 * cos.shape[-1] == self.head_dim and not self._partial_rotary(layer_type)
+        if not raw and widen:
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         return cos, sin
 
