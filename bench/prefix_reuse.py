@@ -31,11 +31,9 @@ import torch
 QUESTION_TOKENS = 24
 
 
-def _tokens(model_name: str, context: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _tokens(tok, context: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     from qcache.tools.data import token_sequences
-    from qcache.tools.models import load_model
 
-    _, tok = load_model(model_name)
     seq = token_sequences(tok, "eval", 1, context + 3 * QUESTION_TOKENS)
     doc = seq[:, :context]
     questions = [seq[:, context + i * QUESTION_TOKENS: context + (i + 1) * QUESTION_TOKENS] for i in range(3)]
@@ -46,7 +44,7 @@ def _ask(model, cache, question: torch.Tensor, start: int) -> tuple[torch.Tensor
     """Feed one question after `start` cached tokens: its last logits and the seconds it took."""
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model(question, past_key_values=cache, use_cache=True,
+        out = model(question, cache=cache, use_cache=True,
                     position_ids=torch.arange(start, start + question.shape[1])[None]).logits[:, -1].float()
     return out, time.perf_counter() - t0
 
@@ -57,8 +55,8 @@ def child(args) -> int:
     from qcache.tools.models import load_model
 
     torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
-    _, questions = _tokens(args.model, args.context)
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    _, questions = _tokens(tok, args.context)
     reference = torch.load(args.reference)
     t0 = time.perf_counter()
     loaded = QuantCache.load(args.load, model)
@@ -99,14 +97,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     command = "python bench/prefix_reuse.py " + " ".join(sys.argv[1:] if argv is None else argv)
     load_before = load_average()
-    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
-    doc, questions = _tokens(args.model, args.context)
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    doc, questions = _tokens(tok, args.context)
     N = doc.shape[1]
 
     cache = QuantCache(bits=4)
     t0 = time.perf_counter()
     with torch.no_grad():
-        model(doc, past_key_values=cache, use_cache=True)
+        model(doc, cache=cache, use_cache=True)
     prefill_s = time.perf_counter() - t0
     fresh = []
     for q in questions:
@@ -122,7 +120,8 @@ def main(argv=None) -> int:
 
     dynamic = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(doc, past_key_values=dynamic, use_cache=True)
+        model(doc, cache=dynamic, use_cache=True)
+    values = sum(layer.keys.numel() + layer.values.numel() for layer in dynamic.layers)  # K and V values at N tokens
     dyn_path = work / "dynamic.safetensors"
     save_file({f"layers.{i}.{n}": getattr(layer, n).contiguous() for i, layer in enumerate(dynamic.layers)
                for n in ("keys", "values")}, str(dyn_path))
@@ -145,6 +144,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_average": [load_before, load_average()],
         "fresh": {"prefill_s": prefill_s, "ask_s": [s for _, s in fresh], "ttft_s": prefill_s + fresh[0][1]},
         "saved": {"save_s": save_s, "file_bytes": path.stat().st_size, "held_bytes": mem.total - mem.reserved,
+                  "bits_per_value_held": 8 * (mem.total - mem.reserved) / values,
                   "dynamic_file_bytes": dyn_path.stat().st_size},
         "loaded": loaded,
     }
@@ -170,7 +170,8 @@ def render(r: dict) -> str:
         f"qcache {r['qcache']}, torch {r['versions']['torch']}, transformers {r['versions']['transformers']}; "
         f"{r['machine']}, {r['threads']} torch threads, weights {r['dtype']}; load average {r['load_average'][0]} "
         f"before, {r['load_average'][1]} after.", "",
-        f"`QuantCache(bits=4)`, defaults. A question is {r['question_tokens']} tokens; time to first token (TTFT) is "
+        f"`QuantCache(bits=4)`, defaults: {s['bits_per_value_held']:.2f} bits/value held at {r['context']} tokens (every "
+        "tensor it holds, less unused capacity, over DynamicCache's K and V values). A question is {r['question_tokens']} tokens; time to first token (TTFT) is "
         "the seconds from having the model loaded to the logits of the question's last token. The loaded cache is "
         "read in a new Python process (`QuantCache.load`, then `fork()` per question).", "",
         "| | seconds | |", "|---|---:|---|",
