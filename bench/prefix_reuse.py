@@ -171,7 +171,8 @@ def render(r: dict) -> str:
         f"{r['machine']}, {r['threads']} torch threads, weights {r['dtype']}; load average {r['load_average'][0]} "
         f"before, {r['load_average'][1]} after.", "",
         f"`QuantCache(bits=4)`, defaults: {s['bits_per_value_held']:.2f} bits/value held at {r['context']} tokens (every "
-        "tensor it holds, less unused capacity, over DynamicCache's K and V values). A question is {r['question_tokens']} tokens; time to first token (TTFT) is "
+        f"tensor it holds, less unused capacity, over DynamicCache's K and V values). A question is "
+        f"{r['question_tokens']} tokens; time to first token (TTFT) is "
         "the seconds from having the model loaded to the logits of the question's last token. The loaded cache is "
         "read in a new Python process (`QuantCache.load`, then `fork()` per question).", "",
         "| | seconds | |", "|---|---:|---|",
