@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .quant import (
-    code_planes, dequantize, pack, quantize, quantize_grouped, scatter_outliers, select_outliers, unpack, width,
+    code_planes, dequantize, nearest_levels, pack, quantize, quantize_grouped, scatter_outliers, select_outliers, unpack, width,
 )
 from .store import Part
 
@@ -218,20 +218,20 @@ class ValueCodec(_GroupCodec):
                       Part(self._name("out_val"), ax, (ng, self.outliers), dtype, "outliers")]
         return parts
 
-    def encode(self, v: torch.Tensor, consts: dict, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def encode(self, v: torch.Tensor, consts: dict, valid: torch.Tensor | None = None,
+               nearest=nearest_levels) -> dict[str, torch.Tensor]:
         """Parts for values v [B, H, n, D]. (`valid` is accepted for symmetry: padding tokens are groups of their
-        own, so they never widen a real token's range.)"""
+        own, so they never widen a real token's range.) `nearest`: how `norm` finds each entry's nearest level
+        (`quant.nearest_levels`, or a compiled `nearest_levels_unrolled`: the same codes)."""
         out = {}
         keep = None
         v = self.rotate(v, consts)
         if self.norm:
             levels = self._levels(consts).float().to(v.device)
-            mids = (levels[1:] + levels[:-1]) / 2
             tiny = torch.finfo(torch.float32).tiny
             scale = v.square().mean(-1, keepdim=True).sqrt()  # start from the RMS, [B, H, n, 1]
             for _ in range(_NORM_ROUNDS):  # alternate: nearest levels for the scale, least-squares scale for them
-                codes = torch.bucketize(v / scale.clamp_min(tiny), mids)  # [B, H, n, D]
-                lv = levels[codes]
+                codes, lv = nearest(v / scale.clamp_min(tiny), levels)  # [B, H, n, D]
                 scale = (v * lv).sum(-1, keepdim=True) / lv.square().sum(-1, keepdim=True)
             out[self._name("codes")] = pack(codes.to(torch.uint8), self.bits)
             out[self._name("scale")] = scale.to(self.scale_dtype)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .codec import KeyCodec, ValueCodec
+from .quant import nearest_levels_unrolled
 from .rope import compose, rotate_half_width
 
 __all__ = ["Quantized", "key_planes", "rotate_planes", "read_keys", "read_values", "decode_attention", "compiled",
@@ -118,7 +119,8 @@ def decode_attention(query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor
 
 logger = logging.getLogger(__name__)
 
-_FUNCTIONS = {"read_keys": read_keys, "read_values": read_values, "decode_attention": decode_attention}
+_FUNCTIONS = {"read_keys": read_keys, "read_values": read_values, "decode_attention": decode_attention,
+              "nearest_levels": nearest_levels_unrolled}
 _COMPILED: dict[tuple, object] = {}
 _COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
 
@@ -131,7 +133,8 @@ def _own_code(fn):
 
 # positional tensor arguments whose size follows the context, and the dimension that does (Quantized arguments are
 # marked by `_mark_token_dims`)
-_TOKEN_DIMS = {"read_keys": {0: 2, 2: 2}, "read_values": {0: 2, 2: 2}, "decode_attention": {1: 2, 2: 2, 3: 3}}
+_TOKEN_DIMS = {"read_keys": {0: 2, 2: 2}, "read_values": {0: 2, 2: 2}, "decode_attention": {1: 2, 2: 2, 3: 3},
+               "nearest_levels": {0: 2}}
 
 
 def _mark_token_dims(q: Quantized) -> None:
@@ -147,7 +150,8 @@ def _mark_token_dims(q: Quantized) -> None:
 
 
 def compiled(name: str, variant: Hashable = None):
-    """The torch.compile'd `read_keys` / `read_values` / `decode_attention` for one cache configuration
+    """The torch.compile'd `read_keys` / `read_values` / `decode_attention` (or the encoder's `nearest_levels`,
+    the same codes as `quant.nearest_levels`) for one cache configuration
     (`variant`: what a QuantLayer's settings make static: its codecs, dtype, RoPE or not), built on first use.
     Raises if torch.compile cannot build it here (e.g. no C++ compiler for the CPU backend)."""
     fn = _COMPILED.get((name, variant))

@@ -22,6 +22,8 @@ energy between them; query heads of a key/value group are averaged. Keys are rot
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -94,10 +96,23 @@ def weight_energies(module: nn.Module, heads: int, kv_heads: int, head_dim: int,
                          "rotate='v' (keys unrotated) or rotate='kv' (keys rotated)")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not split into {kv_heads} key/value groups")
+    # every fresh cache asks again (a new cache per request): the answer is kept per module while its weights are
+    # the same tensors, unmodified (a parameter's _version moves on every in-place write)
+    tensors = [t for name in ("q_proj", "k_proj", "q_norm", "k_norm")
+               for t in (getattr(getattr(module, name, None), "weight", None),) if isinstance(t, torch.Tensor)]
+    key = (heads, kv_heads, head_dim, rot_dim, tuple((t.data_ptr(), t._version, t.dtype, t.shape) for t in tensors))
+    held = _ENERGIES.get(module)
+    if held is not None and held[0] == key:
+        return held[1]
     q = projection_energy(module.q_proj, getattr(module, "q_norm", None), heads, head_dim, "q_proj")
     k = projection_energy(module.k_proj, getattr(module, "k_norm", None), kv_heads, head_dim, "k_proj")
     q = q.view(kv_heads, heads // kv_heads, head_dim).mean(1)
-    return pair_mean(q, rot_dim), pair_mean(k, rot_dim)
+    energies = pair_mean(q, rot_dim), pair_mean(k, rot_dim)
+    _ENERGIES[module] = (key, energies)
+    return energies
+
+
+_ENERGIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (weights key, energies)
 
 
 def key_rotation_ratio(q_energy: torch.Tensor, k_energy: torch.Tensor, rotation: torch.Tensor) -> float:

@@ -387,7 +387,10 @@ class BlockLayer(QuantLayer):
         p = self.first[:, None] + start + torch.arange(n, device=self.device)  # [B, n]
         valid = (p >= 0)[:, None, :, None]  # [B, 1, n, 1]: padding stays out of the statistics
         k = self.rope.undo(k, p, self.layer_idx) if self.rope is not None else k.float()  # fp32, pre-RoPE
-        parts = self.k_codec.encode(k, self.consts["k"], valid) | self.v_codec.encode(v.float(), self.consts["v"])
+        nearest = ({"nearest": kernels.compiled("nearest_levels", self.v_codec.bits)} if self.kernel == "compiled"
+                   else {})
+        parts = (self.k_codec.encode(k, self.consts["k"], valid)
+                 | self.v_codec.encode(v.float(), self.consts["v"], **nearest))
         for axis in ("token", "block"):
             s.append(axis, **{name: t for name, t in parts.items() if s.parts[name].axis == axis})
         s.drop_front("residual", n)

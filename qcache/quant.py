@@ -48,6 +48,8 @@ __all__ = [
     "planes_8bit_u8",
     "choose_qparams",
     "quantize",
+    "nearest_levels",
+    "nearest_levels_unrolled",
     "dequantize",
     "quantize_grouped",
     "dequantize_grouped",
@@ -238,6 +240,24 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
     levels = codebook.float().to(x.device) * qmax
     midpoints = (levels[1:] + levels[:-1]) / 2
     return torch.bucketize(u, midpoints).to(torch.uint8)
+
+
+def nearest_levels(u: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 index of the nearest of the sorted fp32 `levels`, that level) for every element of fp32 `u`; a tie
+    between two levels goes to the lower one. A binary search per element (`torch.bucketize`)."""
+    codes = torch.bucketize(u, (levels[1:] + levels[:-1]) / 2)
+    return codes, levels[codes]
+
+
+def nearest_levels_unrolled(u: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`nearest_levels` as a count of the midpoints below each element (the same codes, ties included): one
+    comparison per midpoint, which torch.compile fuses into one vectorized loop (measured ~9x faster than
+    `torch.bucketize` at 4 bits on 2 CPU cores); slower than `nearest_levels` when run eagerly."""
+    mids = (levels[1:] + levels[:-1]) / 2
+    codes = (u > mids[0]).to(torch.int64)
+    for i in range(1, mids.shape[0]):
+        codes = codes + (u > mids[i]).to(torch.int64)
+    return codes, levels[codes]
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

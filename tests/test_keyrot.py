@@ -114,3 +114,17 @@ def test_head_norm_gain_enters_the_query_energy():
     expected[:, 5] *= 9.0
     expected = torch.cat([(expected[:, :16] + expected[:, 16:]) / 2] * 2, -1)  # RoPE pairs share their mean
     assert torch.allclose(q, expected, rtol=1e-4)
+
+
+def test_energies_are_read_once_per_weights_and_again_after_they_change():
+    model = make_model("llama")
+    att = model.model.layers[0].self_attn
+    args = (model.config.num_attention_heads, model.config.num_key_value_heads, att.head_dim, att.head_dim)
+    first = weight_energies(att, *args)
+    assert weight_energies(att, *args) is first  # a second fresh cache reuses what the first read
+    _steer(model, 0, aligned=False)  # in-place writes to q_proj / k_proj
+    changed = weight_energies(att, *args)
+    assert changed is not first and not torch.allclose(changed[1], first[1])
+    # a weight replaced by another tensor is read again too
+    att.k_proj.weight = torch.nn.Parameter(att.k_proj.weight.detach() * 2)
+    assert torch.allclose(weight_energies(att, *args)[1], changed[1] * 4)

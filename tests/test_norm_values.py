@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import make_model
-from kv_checks import compiled_matches_eager, fused_decode_matches_read
+from kv_checks import compiled_matches_eager, feed, fused_decode_matches_read
 from qcache import layout
 from qcache import QuantCache, QuantCacheConfig
 from qcache.codec import ValueCodec
@@ -156,3 +156,31 @@ def test_compiled_read_and_fused_decode_with_norm_values():
     fused = compiled_matches_eager(make_model("llama").config, **COMPILED)
     assert fused.layers[0].cfg.window_bits == 8 and fused.layers[0].cfg.v_scale == "norm"
     fused_decode_matches_read(fused.layers[0], 73)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_compiled_nearest_levels_are_bucketize_codes_ties_included(bits):
+    from qcache import kernels
+    from qcache.quant import nearest_levels
+
+    levels = gaussian_levels_tensor(bits).float()
+    mids = (levels[1:] + levels[:-1]) / 2
+    g = torch.Generator().manual_seed(bits)
+    u = torch.randn(2, 3, 37, 16, generator=g) * 1.5
+    u[0, 0, 0, :mids.numel()] = mids  # exactly on a midpoint: the lower level
+    u[0, 0, 1, :3] = torch.tensor([-1e30, 1e30, 0.0])
+    ref_codes, ref_levels = nearest_levels(u, levels)
+    codes, lv = kernels.compiled("nearest_levels", ("test", bits))(u, levels)
+    assert torch.equal(codes, ref_codes) and torch.equal(lv, ref_levels)
+    assert torch.equal(ref_codes[0, 0, 0, :mids.numel()], torch.arange(mids.numel()))
+
+
+def test_compiled_and_eager_caches_store_the_same_value_codes():
+    config = make_model("llama").config
+    held = []
+    for kernel in ("eager", "compiled"):
+        cache = QuantCache(config, kernel=kernel, **COMPILED)
+        feed(cache, 0)  # a 70-token prefill: 48 tokens quantized into blocks
+        assert cache.layers[0].quantized_length > 0
+        held.append({n: t.clone() for n, t in cache.layers[0].store.views().items() if n.startswith("v_")})
+    assert held[0].keys() == held[1].keys() and all(torch.equal(held[0][n], held[1][n]) for n in held[0])
