@@ -7,7 +7,8 @@
                           tokens: pre-RoPE codes, one scale/zero per channel per block (`KeyCodec`); values
                           per token in groups of `v_group_size` channels (`ValueCodec`) | the residual: the
                           block being filled and `recent_tokens`, as given or 8-bit per token and head
-                          (`window_bits=8`). A sliding layer of this kind drops whole blocks out of its window.
+                          (`window_bits=8`; until the layer first quantizes a block its tokens are held as
+                          given: "early"). A sliding layer of this kind drops whole blocks out of its window.
     `TokenWindowLayer`    a sliding layer's window only, every token quantized on its own as it arrives
                           (`layout.token_codecs`), trimmed token by token (`QuantCacheConfig.holds_window_only`)
     `SlidingWindowLayer`  a sliding layer in full precision (`sliding_layers="native"`)
@@ -207,18 +208,37 @@ class QuantLayer(CacheLayerMixin):
         return T, kv_before
 
     def _append_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append tokens (cache dtype, keys after RoPE) to the residual, through its token codecs if it has them."""
+        """Append tokens (cache dtype, keys after RoPE) to the residual, through its token codecs if it has them.
+        A layer with token codecs that holds no quantized and no coded residual token yet keeps them as given
+        ("early"): a prompt that never fills a block is held exactly; `_code_early` codes them once one would."""
+        s = self.store
         if self.window_codecs is None:
-            self.store.append("residual", res_k=k, res_v=v)
+            s.append("residual", res_k=k, res_v=v)
             return
+        if s.names("early") and s.length("token") == 0 and s.length("residual") == 0:
+            s.append("early", early_k=k, early_v=v)
+            return
+        self._code_window(k, v)
+
+    def _code_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
         (ck, cv), (kc, vc) = self.window_codecs, self.window_consts
         self.store.append("residual", **ck.encode(k.float(), kc), **cv.encode(v.float(), vc))
 
+    def _code_early(self) -> None:
+        """Move the early tokens into the coded residual (the codes they would have had from the start: each
+        token is coded on its own)."""
+        s = self.store
+        self._code_window(s.view("early_k"), s.view("early_v"))
+        s.clear("early")
+
     def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual's keys (after RoPE) and values [B, H, R, D] in the cache dtype."""
+        """The residual's keys (after RoPE) and values [B, H, R, D] in the cache dtype (the early tokens while
+        there are any: the coded residual is empty then)."""
         s = self.store
         if self.window_codecs is None:
             return s.view("res_k"), s.view("res_v")
+        if s.length("early"):
+            return s.view("early_k"), s.view("early_v")
         views = s.views("residual")
         return tuple(torch.cat(c.planes({n: t for n, t in views.items() if n.startswith(c.prefix)}, consts),
                                dim=-1).to(self.dtype) for c, consts in zip(self.window_codecs, self.window_consts))
@@ -230,7 +250,7 @@ class QuantLayer(CacheLayerMixin):
     def stored_length(self) -> int:
         if not self.is_initialized:
             return 0
-        return sum(self.store.length(a) for a in ("sink", "token", "residual"))
+        return sum(self.store.length(a) for a in ("sink", "token", "residual", "early"))
 
     def _check_crop(self, tokens_to_remove: int) -> int:
         """The number of tokens a `crop(tokens_to_remove)` removes (a negative int, as for `DynamicLayer`)."""
@@ -347,8 +367,9 @@ class BlockLayer(QuantLayer):
         # between two flushes the residual holds at most the recent window + one block
         return PackedStore(parts, batch, heads, self.device,
                            min_grow={"token": max(G, 16), "block": 1, "sink": max(self.sink_tokens, 1),
-                                     "residual": G},
-                           bounded={"sink": self.sink_tokens, "residual": cfg.recent_tokens + G})
+                                     "residual": G, "early": G},
+                           bounded={"sink": self.sink_tokens, "residual": cfg.recent_tokens + G,
+                                    "early": 0})  # (early: freed once coded)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new states and return all keys/values as the layer now holds them ([B, H, T_total, D]); at a
@@ -357,7 +378,7 @@ class BlockLayer(QuantLayer):
         key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         s = self.store
         n_sink = 0
-        if s.length("token") + s.length("residual") == 0:
+        if s.length("token") + s.length("residual") + s.length("early") == 0:
             n_sink = max(min(self.sink_tokens - s.length("sink"), T), 0)
         s.append("sink", sink_k=key_states[:, :, :n_sink], sink_v=value_states[:, :, :n_sink])
         self._append_window(key_states[:, :, n_sink:], value_states[:, :, n_sink:])
@@ -378,6 +399,8 @@ class BlockLayer(QuantLayer):
         """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` as they are."""
         s = self.store
         G = self.k_codec.group
+        if s.length("early") - self.cfg.recent_tokens >= G:  # a block is due: the early tokens take their codes
+            self._code_early()
         n = (s.length("residual") - self.cfg.recent_tokens) // G * G
         if n <= 0:
             return
@@ -405,10 +428,11 @@ class BlockLayer(QuantLayer):
             if s.names("block"):
                 s.drop_front("block", drop // G)
             self.dropped += drop
-        surplus = min(self.stored_length() - (self.sliding_window - 1), s.length("residual"))
-        if s.length("token") == 0 and surplus > 0:  # only full-precision tokens left: trim them exactly
-            s.drop_front("residual", surplus)
-            self.dropped += surplus
+        for axis in ("early", "residual"):  # only full-precision tokens left: trim them exactly
+            surplus = min(self.stored_length() - (self.sliding_window - 1), s.length(axis))
+            if s.length("token") == 0 and surplus > 0:
+                s.drop_front(axis, surplus)
+                self.dropped += surplus
 
     @property
     def _kernel_variant(self) -> tuple:
@@ -485,9 +509,10 @@ class BlockLayer(QuantLayer):
         if n == 0:
             return
         s = self.store
-        r = min(n, s.length("residual"))
-        s.crop("residual", s.length("residual") - r)
-        n -= r
+        for axis in ("early", "residual"):  # (only one of them holds tokens)
+            r = min(n, s.length(axis))
+            s.crop(axis, s.length(axis) - r)
+            n -= r
         q = min(n, s.length("token"))
         if q:
             kept = s.length("token") - q

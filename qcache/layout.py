@@ -10,6 +10,7 @@ the bytes a layer holds at a context are those parts times how many entries each
     token      q = (N - sinks - R) rounded down to whole blocks (0 if negative)
     block      q / G (no block parts with static key ranges)
     residual   N - sinks - q: the block being filled and the recent window (full precision, or 8-bit tokens)
+    early      with 8-bit residual tokens, N - sinks while q = 0 (held as given; the residual is empty then)
 
 A window-only sliding layer (`QuantCacheConfig.holds_window_only`) keeps every token of its window in the residual,
 each quantized on its own by `token_codecs`.
@@ -84,8 +85,9 @@ def layer_parts(k: KeyCodec, v: ValueCodec, window: tuple[ValueCodec, ValueCodec
     """Every tensor a layer stores: the key and value codecs' parts, the sinks and the residual."""
     parts = k.parts(head_dim, dtype) + v.parts(head_dim, dtype)
     parts += [Part(name, "sink", (head_dim,), dtype, "full_precision") for name in ("sink_k", "sink_v")]
-    if window is not None:
+    if window is not None:  # the 8-bit residual, and the tokens held as given until the layer first quantizes
         parts += [part for codec in window for part in codec.parts(head_dim, dtype)]
+        parts += [Part(name, "early", (head_dim,), dtype, "full_precision") for name in ("early_k", "early_v")]
     else:
         parts += [Part(name, "residual", (head_dim,), dtype, "full_precision") for name in ("res_k", "res_v")]
     return parts
@@ -95,11 +97,14 @@ def entries(cfg, num_tokens: int, window_only: bool = False) -> dict[str, int]:
     """Entries per store axis after `num_tokens` tokens (the module docstring's table; worst case of the block
     being filled). A window-only layer: `num_tokens` is its window and all of it is residual."""
     if window_only:
-        return {"sink": 0, "token": 0, "block": 0, "residual": num_tokens}
+        return {"sink": 0, "token": 0, "block": 0, "residual": num_tokens, "early": 0}
     sinks = min(cfg.sink_tokens, num_tokens)
     block = 1 if cfg.static_keys else cfg.k_group_size
     q = max(num_tokens - sinks - cfg.recent_tokens, 0) // block * block
-    return {"sink": sinks, "token": q, "block": q // cfg.k_group_size, "residual": num_tokens - sinks - q}
+    # an 8-bit residual holds its tokens as given ("early") until the layer first quantizes a block
+    early = num_tokens - sinks if q == 0 and cfg.window_bits == 8 else 0
+    return {"sink": sinks, "token": q, "block": q // cfg.k_group_size, "residual": num_tokens - sinks - q - early,
+            "early": early}
 
 
 def held_bytes(cfg, head_dim: int, num_tokens: int, fp_bytes: int = 2, window_only: bool = False) -> int:
@@ -119,7 +124,7 @@ def full_precision_tokens(cfg, num_tokens: int) -> int:
     """Tokens of a `num_tokens`-long sequence that a block layer with options `cfg` keeps unquantized: the sinks and
     the residual (worst case of the per-channel block being filled)."""
     counts = entries(cfg, num_tokens)
-    return counts["sink"] + counts["residual"]
+    return counts["sink"] + counts["residual"] + counts["early"]
 
 
 def token_bytes(cfg, head_dim: int) -> float:

@@ -170,7 +170,7 @@ def _load_quant_layer(path: Path, i: int, layer: QuantLayer, lm: dict, tensors: 
     layer.lazy_initialization(empty, empty)
     s = layer.store
     for axis in AXES:
-        n = lm["lengths"][axis]
+        n = lm["lengths"].get(axis, 0)
         given = {name: _tensor(path, tensors, f"layers.{i}.store.{name}", (B, H, n, *s.parts[name].shape))
                  if n else None for name in s.names(axis)}
         for name, t in given.items():

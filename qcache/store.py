@@ -10,6 +10,8 @@ and the memory category it is counted under. Parts of one axis grow and shrink t
     "block"      key block (k_group_size quantized tokens)  key scales/zeros, key outliers
     "sink"       full-precision token at the start          sink keys and values
     "residual"   full-precision token at the end            the block being filled + the recent window
+    "early"      token as given, before any block (8-bit    a short prompt's keys and values
+                 residual windows)
     ============ ========================================= =================================================
 
 Every part is a buffer [B, H, capacity, *shape] of which the entries [start, start + length) along dim 2 are in use
@@ -42,7 +44,7 @@ import torch
 
 __all__ = ["Part", "PackedStore", "AXES", "CATEGORIES"]
 
-AXES = ("token", "block", "sink", "residual")
+AXES = ("token", "block", "sink", "residual", "early")
 CATEGORIES = ("packed", "scales", "outliers", "full_precision")
 _DIM = 2  # every part is [B, H, n, *shape]: entries run along dim 2
 

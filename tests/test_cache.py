@@ -57,9 +57,9 @@ def test_users_example_as_written():
     model = make_model("llama")
     cache = QuantCache(bits=4)
     with torch.no_grad(), pytest.warns(FutureWarning):  # transformers renamed the argument to `cache`
-        out = model.generate(prompt(200), past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert out.shape == (1, 205)
-    assert cache.memory().packed > 0 and len(cache.layers) == 2
+        out = model.generate(prompt(300), past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 305)
+    assert cache.memory().packed > 0 and len(cache.layers) == 2  # 300 tokens: past the first key block (260)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
