@@ -84,11 +84,13 @@ class _Recorder:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(k.shape[2], device=k.device).expand(B, -1)
-        pre = self.rope.undo(k, position_ids, module.layer_idx) if self.rope is not None else k
+        # keys and queries in the channel order the cache keeps (RoPE pairs as rotate-half halves)
+        q_pairs = self.rope.to_pairs(q) if self.rope is not None else q
+        pre = self.rope.undo(self.rope.to_pairs(k), position_ids, module.layer_idx) if self.rope is not None else k
         # [B, H, S, D] -> [H, B*S, D]
         layer.keys.append(pre.transpose(0, 1).reshape(Hkv, -1, D).cpu())
         layer.values.append(v.transpose(0, 1).reshape(Hkv, -1, D).cpu())
-        energy = pair_mean(q.pow(2), self.rot_dim).mean(dim=(0, 2))  # [Hq, D]: query energy per RoPE pair
+        energy = pair_mean(q_pairs.pow(2), self.rot_dim).mean(dim=(0, 2))  # [Hq, D]: query energy per RoPE pair
         layer.k_weight.append(energy.view(Hkv, groups, D).mean(1).cpu())
         mass = probs.sum(dim=2).view(B, Hkv, groups, -1).mean(2)  # [B, Hkv, S]: attention received per key
         layer.v_weight.append(mass.transpose(0, 1).reshape(Hkv, -1).cpu())

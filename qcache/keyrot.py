@@ -85,10 +85,11 @@ def projection_energy(proj: nn.Module, norm: nn.Module | None, heads: int, head_
     return energy
 
 
-def weight_energies(module: nn.Module, heads: int, kv_heads: int, head_dim: int, rot_dim: int
+def weight_energies(module: nn.Module, heads: int, kv_heads: int, head_dim: int, rot_dim: int, order=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(query energy, key energy), each [kv_heads, head_dim], of an attention module with `q_proj` and `k_proj`
-    (and optional `q_norm` / `k_norm`): query heads averaged over each key/value group, RoPE pairs averaged."""
+    (and optional `q_norm` / `k_norm`): query heads averaged over each key/value group, RoPE pairs averaged
+    (`order`: puts the channels of a [..., D] tensor in rotate-half pair order, `RopeHelper.to_pairs`)."""
     missing = [name for name in ("q_proj", "k_proj") if not isinstance(getattr(module, name, None), nn.Module)]
     if missing:
         raise ValueError(f"rotate='auto' decides from the attention's q_proj and k_proj weights; "
@@ -100,13 +101,16 @@ def weight_energies(module: nn.Module, heads: int, kv_heads: int, head_dim: int,
     # the same tensors, unmodified (a parameter's _version moves on every in-place write)
     tensors = [t for name in ("q_proj", "k_proj", "q_norm", "k_norm")
                for t in (getattr(getattr(module, name, None), "weight", None),) if isinstance(t, torch.Tensor)]
-    key = (heads, kv_heads, head_dim, rot_dim, tuple((t.data_ptr(), t._version, t.dtype, t.shape) for t in tensors))
+    key = (heads, kv_heads, head_dim, rot_dim, order is not None,
+           tuple((t.data_ptr(), t._version, t.dtype, t.shape) for t in tensors))
     held = _ENERGIES.get(module)
     if held is not None and held[0] == key:
         return held[1]
     q = projection_energy(module.q_proj, getattr(module, "q_norm", None), heads, head_dim, "q_proj")
     k = projection_energy(module.k_proj, getattr(module, "k_norm", None), kv_heads, head_dim, "k_proj")
     q = q.view(kv_heads, heads // kv_heads, head_dim).mean(1)
+    if order is not None:
+        q, k = order(q), order(k)
     energies = pair_mean(q, rot_dim), pair_mean(k, rot_dim)
     _ENERGIES[module] = (key, energies)
     return energies
@@ -136,5 +140,7 @@ def layer_ratio(module: nn.Module | None, text_config, num_key_value_heads: int,
             f"module of layer {layer_idx} was found up the call stack of Cache.update (called outside a model "
             "forward?); allowed without one: rotate='v' (keys unrotated) or rotate='kv'")
     heads = text_config.num_attention_heads * kv_heads // num_key_value_heads
-    q_energy, k_energy = weight_energies(module, heads, kv_heads, head_dim, rotary_width(text_config, rope, layer_idx))
+    order = rope.to_pairs if rope is not None else None  # energies in the channel order the cache keeps keys in
+    q_energy, k_energy = weight_energies(module, heads, kv_heads, head_dim, rotary_width(text_config, rope, layer_idx),
+                                         order)
     return key_rotation_ratio(q_energy, k_energy, rotation.on(q_energy.device))

@@ -207,6 +207,15 @@ class QuantLayer(CacheLayerMixin):
         self.cumulative_length += T
         return T, kv_before
 
+    def _key_order(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys (or queries) [..., D] in the model's channel order -> the order the layer keeps keys in: RoPE pairs
+        as rotate-half halves (`RopeHelper.to_pairs`; x itself unless the model interleaves its pairs)."""
+        return x if self.rope is None else self.rope.to_pairs(x)
+
+    def _model_order(self, keys: torch.Tensor) -> torch.Tensor:
+        """Inverse of `_key_order`: keys as the model's attention expects them."""
+        return keys if self.rope is None else self.rope.from_pairs(keys)
+
     def _append_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append tokens (cache dtype, keys after RoPE) to the residual, through its token codecs if it has them.
         A layer with token codecs that holds no quantized and no coded residual token yet keeps them as given
@@ -375,7 +384,7 @@ class BlockLayer(QuantLayer):
         """Store the new states and return all keys/values as the layer now holds them ([B, H, T_total, D]); at a
         decode step with the compiled kernel, the handover (qcache/handover.py)."""
         T, kv_before = self._admit(key_states, value_states, kwargs)
-        key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        key_states, value_states = self._key_order(key_states.to(self.dtype)), value_states.to(self.dtype)
         s = self.store
         n_sink = 0
         if s.length("token") + s.length("residual") + s.length("early") == 0:
@@ -389,11 +398,11 @@ class BlockLayer(QuantLayer):
             step = DecodeStep(self, fp_k, fp_v, self.stored_length())
             self._handed = weakref.ref(step)
             return step.states()
-        keys, values = self.read()
+        keys, values = self._held()
         if self.is_sliding:
             keys, values = keys[:, :, -(kv_before + T):], values[:, :, -(kv_before + T):]
             self._evict()
-        return keys, values
+        return self._model_order(keys), values
 
     def _flush(self) -> None:
         """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` as they are."""
@@ -454,6 +463,11 @@ class BlockLayer(QuantLayer):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (RoPE applied) and values as the layer holds them, in the cache dtype: [sinks | dequantized |
         residual], [B, H, T_stored, D]."""
+        keys, values = self._held()
+        return self._model_order(keys), values
+
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read` with the keys' channels in the order the layer keeps them (`_key_order`)."""
         s = self.store
         sink_k, sink_v = s.view("sink_k"), s.view("sink_v")
         res_k, res_v = self._window()
@@ -495,7 +509,7 @@ class BlockLayer(QuantLayer):
                              f"{S + R}: pass the DecodeStep of this step")
         D = query.shape[-1]
         return kernels.compiled("decode_attention", self._kernel_variant)(
-            query.float(), fp_k, fp_v, bias, self._quantized(), S, D**-0.5 if scaling is None else scaling,
+            self._key_order(query.float()), fp_k, fp_v, bias, self._quantized(), S, D**-0.5 if scaling is None else scaling,
             self.k_codec, self.v_codec)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -519,7 +533,7 @@ class BlockLayer(QuantLayer):
             G = self.k_codec.group
             full = kept // G * G
             if kept > full:  # the partial block's kept tokens go back to the residual as full precision
-                keys, values = self.read()
+                keys, values = self._held()
                 S = s.length("sink")
                 back_k, back_v = keys[:, :, S + full:S + kept], values[:, :, S + full:S + kept]
                 s.crop("residual", 0)
@@ -557,8 +571,9 @@ class TokenWindowLayer(QuantLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens and return the window this step's queries see ([B, H, T_seen, D])."""
         T, kv_before = self._admit(key_states, value_states, kwargs)
-        self._append_window(key_states.to(self.dtype), value_states.to(self.dtype))
+        self._append_window(self._key_order(key_states.to(self.dtype)), value_states.to(self.dtype))
         keys, values = (t[:, :, -(kv_before + T):] for t in self._window())
+        keys = self._model_order(keys)
         surplus = self.stored_length() - (self.sliding_window - 1)  # no future query sees these
         if surplus > 0:
             self.store.drop_front("residual", surplus)
@@ -567,7 +582,8 @@ class TokenWindowLayer(QuantLayer):
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's keys (after RoPE) and values, dequantized, [B, H, T_stored, D] in the cache dtype."""
-        return self._window()
+        keys, values = self._window()
+        return self._model_order(keys), values
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a negative int), before the window has filled."""

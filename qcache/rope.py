@@ -25,9 +25,21 @@ RoPE types whose frequencies depend on the sequence length ("dynamic", "longrope
 depending on how long the sequence was when attention rotated it; such models are refused (rope='post' stores
 their keys as attention produced them). Partial rotary (cos narrower than head_dim) rotates the leading dims and
 passes the rest through; a rotary module that hands one cos/sin per rotated pair (gpt-oss: width head_dim/2, channel
-i paired with i + head_dim/2) is the rotate-half layout with its halves written once, and is widened to it. At construction the rotation is checked against the modeling file's own
-`apply_rotary_pos_emb`; a model with another layout (e.g. interleaved pairs), or whose layout cannot be checked,
-raises instead of being stored wrongly.
+i paired with i + head_dim/2) is the rotate-half layout with its halves written once, and is widened to it.
+
+Interleaved pairs (Cohere, GLM, Helium, ERNIE: channel 2i rotates with 2i + 1) are the rotate-half layout with the
+rotary channels in another order. Such a layer keeps its keys in pair order (`to_pairs`: even rotary channels, then
+odd ones, then the channels RoPE leaves alone) and gives them back in the model's order (`from_pairs`); its cos/sin
+are the same one-per-pair table written as rotate-half halves, wherever the module's raw cos/sin hold it:
+
+    layout        pair i                      raw cos the rotary module returns     table t_i
+    "half"        channels i, i + R/2         [t, t] (or t alone: gpt-oss)          cos[i]
+    "interleaved" channels 2i, 2i + 1         [t, t] (GLM: apply_rotary_pos_emb     cos[i]
+                                              re-interleaves it) or t repeated
+                                              pairwise (Cohere)                     cos[2i]
+
+At construction each layout is tried against the modeling file's own `apply_rotary_pos_emb`; a model whose rotation
+matches neither, or whose layout cannot be checked, raises instead of being stored wrongly.
 """
 
 from __future__ import annotations
@@ -43,12 +55,20 @@ from torch import nn
 from ._compat import binding_context
 
 __all__ = ["RopeHelper", "rotate_half", "apply_rope", "undo_rope", "rotate_half_width", "compose", "find_rotary_class",
-           "has_rope", "SEQ_DEPENDENT_ROPE"]
+           "has_rope", "pair_order", "SEQ_DEPENDENT_ROPE", "LAYOUTS"]
 
 logger = logging.getLogger(__name__)
 
 # rope types whose frequencies depend on the sequence length: refused for pre-RoPE keys
 SEQ_DEPENDENT_ROPE = ("dynamic", "longrope")
+# how RoPE pairs channels, with where the one-per-pair table sits in the raw cos/sin: tried in this order
+LAYOUTS = (("half", "halves"), ("interleaved", "halves"), ("interleaved", "pairs"))
+
+
+def pair_order(head_dim: int, rot_dim: int) -> torch.Tensor:
+    """[head_dim] channel order that turns interleaved pairs (2i, 2i + 1) of the first `rot_dim` channels into
+    rotate-half pairs (i, i + rot_dim/2): the even rotary channels, the odd ones, then the rest in place."""
+    return torch.cat([torch.arange(0, rot_dim, 2), torch.arange(1, rot_dim, 2), torch.arange(rot_dim, head_dim)])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +196,8 @@ class RopeHelper:
         # per layer type, decided at its first cos/sin: the module hands one cos/sin per rotated pair (width
         # head_dim/2 with every channel rotated)
         self._widen: dict = {}
+        self.layout, self._table = LAYOUTS[0]  # decided by `_check_layout`
+        self._order: dict = {}  # device -> (to pairs, back) channel indices, interleaved layout only
         self._check_layout(modeling_module)
 
     # -- cos/sin ---------------------------------------------------------------------------------------------
@@ -185,9 +207,9 @@ class RopeHelper:
         return self.layer_types[layer_idx]
 
     def _compute(self, position_ids: torch.Tensor, layer_type, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin [B, T, R] of the model's rotary module; a module that hands one cos/sin per rotated pair
-        (gpt-oss: width D/2, pairing channel i with i + D/2 as rotate-half does) is widened to the rotate-half
-        layout [c, c] unless `raw` (what the modeling file's own function takes)."""
+        """fp32 cos/sin [B, T, R] of the model's rotary module in the rotate-half layout [t, t] of the channels in pair
+        order (the module docstring's table; a module handing t alone, as gpt-oss does, is widened), or as the module
+        returns them with `raw` (what the modeling file's own function takes)."""
         device = position_ids.device
         if next(iter(self.rotary.buffers())).device != device:
             self.rotary.to(device)
@@ -196,10 +218,17 @@ class RopeHelper:
         with torch.no_grad():
             cos, sin = self.rotary(*args)
         cos, sin = cos.float(), sin.float()
+        if raw:
+            return cos, sin
+        if self._table == "pairs":  # one entry per pair, repeated pairwise: the table is every other entry
+            cos, sin = cos[..., 0::2], sin[..., 0::2]
+        elif self.layout == "interleaved":  # [t, t]: the table is the first half
+            cos, sin = cos[..., :cos.shape[-1] // 2], sin[..., :sin.shape[-1] // 2]
         widen = self._widen.get(layer_type)
         if widen is None:
-            widen = self._widen[layer_type] = 2 * cos.shape[-1] == self.head_dim and not self._partial_rotary(layer_type)
-        if not raw and widen:
+            widen = self._widen[layer_type] = (self.layout == "interleaved" or 2 * cos.shape[-1] == self.head_dim
+                                               and not self._partial_rotary(layer_type))
+        if widen:
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         return cos, sin
 
@@ -237,6 +266,29 @@ class RopeHelper:
         tensors.update({t.data_ptr(): t for pair in self._offsets.values() for t in pair})
         return sum(t.untyped_storage().nbytes() for t in tensors.values())
 
+    # -- channel order -------------------------------------------------------------------------------------------
+    def _orders(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        device = torch.device(device)
+        found = self._order.get(device)
+        if found is None:
+            cos, _ = self._compute(torch.zeros(1, 1, dtype=torch.long), self._layer_type(0))
+            order = pair_order(self.head_dim, cos.shape[-1]).to(device)
+            found = self._order[device] = (order, torch.argsort(order))
+        return found
+
+    def to_pairs(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] in the model's channel order -> the order the cache keeps keys in (rotate-half pairs; x itself
+        for the rotate-half layout)."""
+        if self.layout == "half":
+            return x
+        return x.index_select(-1, self._orders(x.device)[0])
+
+    def from_pairs(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of `to_pairs`."""
+        if self.layout == "half":
+            return x
+        return x.index_select(-1, self._orders(x.device)[1])
+
     # -- rotation --------------------------------------------------------------------------------------------
     def redo(self, x: torch.Tensor, position_ids: torch.Tensor, layer_idx: int) -> torch.Tensor:
         cos, sin = self.cos_sin(position_ids, layer_idx)
@@ -269,19 +321,23 @@ class RopeHelper:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(1, 2, 5, self.head_dim, generator=gen)
         pos = torch.arange(3, 8).unsqueeze(0)
+        expected = {}
+        for layout in LAYOUTS:  # the first layout that matches every layer type's reference rotation
+            self.layout, self._table = layout
+            self._widen.clear()
+            self._order.clear()
+            if all(self._matches(ref, modeling_module.__name__, x, pos, layer_type, expected)
+                   for layer_type in self.rope_types):
+                break
+        else:
+            self.layout, self._table = LAYOUTS[0]
+            raise ValueError(
+                f"model_type={self.config.model_type!r} rotates keys with a layout qcache does not undo (supported: "
+                f"{sorted({name for name, _ in LAYOUTS})} channel pairs); allowed for it: rope='post'"
+            )
         for layer_type in self.rope_types:
             idx = 0 if layer_type is None else self.layer_types.index(layer_type)
             cos, sin = self.cos_sin(pos, idx)
-            # partial rotary: modeling files that rotate only the leading channels are handed only those
-            sample = x[..., :cos.shape[-1]] if self._partial_rotary(layer_type) else x
-            raw = self._compute(pos, layer_type, raw=True)  # as the model's attention hands them over
-            expected = _call_reference(ref, sample, *raw, self.config.model_type, modeling_module.__name__)
-            got = apply_rope(sample, cos, sin)
-            if not all(torch.allclose(got, e, rtol=1e-5, atol=1e-5) for e in expected):
-                raise ValueError(
-                    f"model_type={self.config.model_type!r} rotates keys with a layout qcache does not undo "
-                    "(only the rotate-half layout is supported); allowed for it: rope='post'"
-                )
             h = cos.shape[-1] // 2
             first = pos[:, 0]
             c, s = compose(self.factors(first, pos.shape[1], idx, block=2), pos.shape[1])
@@ -292,6 +348,23 @@ class RopeHelper:
                     "with paired halves, which qcache re-applies by angle addition; allowed for it: rope='post'"
                 )
         self._offsets.clear()
+
+    def _matches(self, ref, module_name: str, x: torch.Tensor, pos: torch.Tensor, layer_type, expected: dict) -> bool:
+        """Whether rotating `x` in pair order with this helper's cos/sin, then restoring the model's order, gives what
+        the modeling file's `ref` gives (its output kept in `expected` per layer type)."""
+        idx = 0 if layer_type is None else self.layer_types.index(layer_type)
+        cos, sin = self.cos_sin(pos, idx)
+        # partial rotary: modeling files that rotate only the leading channels are handed only those
+        sample = x[..., :cos.shape[-1]] if self._partial_rotary(layer_type) else x
+        if layer_type not in expected:
+            raw = self._compute(pos, layer_type, raw=True)  # as the model's attention hands them over
+            expected[layer_type] = _call_reference(ref, sample, *raw, self.config.model_type, module_name)
+        if self.layout == "half":
+            got = apply_rope(sample, cos, sin)
+        else:
+            order = pair_order(sample.shape[-1], cos.shape[-1])
+            got = apply_rope(sample[..., order], cos, sin)[..., torch.argsort(order)]
+        return all(torch.allclose(got, e, rtol=1e-5, atol=1e-5) for e in expected[layer_type])
 
 
 def _call_reference(ref, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model_type: str,

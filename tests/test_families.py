@@ -6,7 +6,10 @@ import torch
 from transformers import DynamicCache
 
 from qcache import QuantCache
-from qcache.check import CACHE_OPTIONS, LOGIT_TOLERANCE, SLIDING_THEN_FULL, Family, build_model, greedy, prompt_for
+from qcache.check import (
+    CACHE_OPTIONS, LOGIT_TOLERANCE, SLIDING_THEN_FULL, Family, build_model, check_family, greedy, prompt_for,
+)
+from qcache.rope import RopeHelper
 
 GPT_OSS = Family("gpt_oss", "GPT-OSS", "gpt_oss", dict(SLIDING_THEN_FULL))
 
@@ -54,3 +57,63 @@ def test_gpt_oss_half_width_rotation_is_the_rotate_half_layout():
     expected, _ = m.apply_rotary_pos_emb(x, x, *raw)
     torch.testing.assert_close(apply_rope(x, cos, sin), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(undo_rope(expected, cos, sin), x, rtol=1e-5, atol=1e-5)
+
+
+# interleaved RoPE pairs (2i, 2i+1): Cohere's rotary module repeats each pair's cos/sin pairwise, the others hand
+# [t, t] and re-interleave it in apply_rotary_pos_emb; GLM and GLM-4 rotate half of each head
+INTERLEAVED = {
+    "cohere": Family("cohere", "Cohere", "cohere"),
+    "cohere2": Family("cohere2", "Cohere2", "cohere2", dict(SLIDING_THEN_FULL)),
+    "glm": Family("glm", "GLM", "glm"),
+    "glm4": Family("glm4", "GLM-4", "glm4"),
+    "helium": Family("helium", "Helium", "helium"),
+    "ernie4_5": Family("ernie4_5", "ERNIE 4.5", "ernie4_5"),
+}
+
+
+def _matches(model, prompt, ref_tokens, ref_logits, cache) -> tuple[bool, float]:
+    """(tokens equal, max |delta logit| / std) of `cache`'s greedy run against DynamicCache's."""
+    tokens, logits = greedy(model, prompt, cache)
+    return torch.equal(tokens, ref_tokens), float((logits - ref_logits).abs().max() / ref_logits.std())
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+@pytest.mark.parametrize("key", sorted(INTERLEAVED))
+def test_interleaved_rope_families_match_dynamic_cache(key, kernel, monkeypatch):
+    """Each family with interleaved pairs matches DynamicCache at 8 bits over 40 greedy tokens by the coverage rule
+    (qcache/check.py: logits within the tolerance, tokens equal or parting at a near tie of DynamicCache's own),
+    with keys quantized pre-RoPE in pair order."""
+    monkeypatch.setenv("QCACHE_KERNEL", kernel)
+    outcome, run = check_family(INTERLEAVED[key])
+    assert outcome.kind == "match", outcome.detail
+    assert outcome.quantized_tokens > 0
+    model = run[0]
+    rope = RopeHelper(model.config.get_text_config(decoder=True))
+    assert rope.layout == "interleaved"
+
+
+@pytest.mark.parametrize("order", ["pairs", "model order (control)"])
+def test_interleaved_keys_are_quantized_before_rope(order, monkeypatch):
+    """One key repeated at 300 positions, rotated by Cohere's own apply_rotary_pos_emb: pre-RoPE it is the same
+    vector at every position, so each channel's block range is a point and even 2-bit keys read back exact. The
+    control keeps the model's channel order (the rotate-half arithmetic on interleaved channels: not pre-RoPE), where
+    the same keys spread over their ranges and come back far off."""
+    from transformers.models.cohere import modeling_cohere
+
+    from qcache.layers import QuantLayer
+
+    if order != "pairs":
+        monkeypatch.setattr(QuantLayer, "_key_order", lambda self, x: x)
+        monkeypatch.setattr(QuantLayer, "_model_order", lambda self, x: x)
+    config = build_model(INTERLEAVED["cohere"]).config
+    rope = RopeHelper(config)
+    D, T = rope.head_dim, 300
+    pos = torch.arange(T)[None]
+    k0 = torch.randn(1, config.num_key_value_heads, 1, D, generator=torch.Generator().manual_seed(3)).expand(-1, -1, T, -1)
+    keys, _ = modeling_cohere.apply_rotary_pos_emb(k0, k0, *rope._compute(pos, None, raw=True))
+    cache = QuantCache(config, bits=2, rotate="v", sink_tokens=0, recent_tokens=16, k_group_size=32, window_bits=16,
+                       kernel="eager")
+    read, _ = cache.update(keys, torch.randn_like(keys), 0, kwargs={"position_ids": pos})
+    assert cache.layers[0].quantized_length == 256
+    err = float((read - keys).abs().max() / keys.abs().max())
+    assert err < 1e-2 if order == "pairs" else err > 0.1

@@ -135,7 +135,7 @@ def _rotate_half_reference(q, k, cos, sin, unsqueeze_dim=1):
 
 
 def _interleaved_reference(q, k, cos, sin, unsqueeze_dim=1):
-    """Pairs (2i, 2i+1) rotated together (GPT-J / Cohere style): another layout, which qcache must refuse."""
+    """Pairs (2i, 2i+1) rotated together (GLM style: the module's [t, t] re-interleaved), written independently."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     h = cos.shape[-1] // 2
     c, s = cos[..., :h].repeat_interleave(2, -1), sin[..., :h].repeat_interleave(2, -1)
@@ -144,6 +144,17 @@ def _interleaved_reference(q, k, cos, sin, unsqueeze_dim=1):
         return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
     return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def _mirrored_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """Pairs (i, D-1-i): a layout qcache neither has nor can reach by reordering pairs of its own, so it refuses."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rot(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:].flip(-1), x[..., :h].flip(-1)), dim=-1)
+
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
 
 
 class _KernelsStyleWrapper(torch.nn.Module):
@@ -197,10 +208,35 @@ def test_layout_check_accepts_any_wrapping_of_the_rotate_half_function(wrapping)
     torch.testing.assert_close(rope.undo(rope.redo(x, pos, 0), pos, 0), x, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("wrapping", ["plain-function", "kernels-nn-module"])
+def test_interleaved_pairs_are_kept_in_rotate_half_order(wrapping):
+    """A modeling file rotating pairs (2i, 2i+1) is accepted as the interleaved layout: keys put in pair order
+    (`to_pairs`) and rotated there, then put back (`from_pairs`), are what the modeling file's function gives, and
+    undoing RoPE in pair order gives the keys back."""
+    fn = _interleaved_reference if wrapping == "plain-function" else _KernelsStyleWrapper(_interleaved_reference)
+    rope = RopeHelper(ROPE_CONFIGS["default"](), modeling_module=_modeling_module(fn), prefix="Llama")
+    assert rope.layout == "interleaved"
+    x = torch.randn(1, 2, 6, HEAD_DIM)
+    pos = torch.arange(6)[None] + 11
+    raw = rope._compute(pos, None, raw=True)
+    expected, _ = _interleaved_reference(x, x, *raw)
+    torch.testing.assert_close(rope.from_pairs(rope.redo(rope.to_pairs(x), pos, 0)), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rope.undo(rope.to_pairs(expected), pos, 0), rope.to_pairs(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(rope.from_pairs(rope.to_pairs(x)), x)
+    assert not torch.equal(rope.to_pairs(x), x)  # (the order does change)
+
+
+def test_rotate_half_keeps_the_channel_order():
+    rope = RopeHelper(ROPE_CONFIGS["default"](), modeling_module=_modeling_module(_rotate_half_reference),
+                      prefix="Llama")
+    x = torch.randn(1, 2, 3, HEAD_DIM)
+    assert rope.layout == "half" and rope.to_pairs(x) is x and rope.from_pairs(x) is x
+
+
 REFUSED = {
-    "interleaved-layout": (lambda: _interleaved_reference, r"layout qcache does not undo"),
-    "interleaved-in-a-kernels-module": (lambda: _KernelsStyleWrapper(_interleaved_reference),
-                                        r"layout qcache does not undo"),
+    "mirrored-layout": (lambda: _mirrored_reference, r"layout qcache does not undo"),
+    "mirrored-in-a-kernels-module": (lambda: _KernelsStyleWrapper(_mirrored_reference),
+                                     r"layout qcache does not undo"),
     "cannot-be-called-so": (lambda: (lambda q, cos, sin: q), r"cannot be called as apply_rotary_pos_emb\(q, k, cos, sin\)"
                             r".*TypeError"),
     "returns-one-tensor": (lambda: (lambda q, k, cos, sin, unsqueeze_dim=1: q), r"returned Tensor, expected \(q_rot, "
@@ -219,7 +255,7 @@ def test_layout_check_refuses_what_it_cannot_verify(case):
     with pytest.raises(ValueError, match=message) as err:
         RopeHelper(ROPE_CONFIGS["default"](), modeling_module=module, prefix="Llama")
     assert "rope='post'" in str(err.value) and "model_type='llama'" in str(err.value)
-    if case != "interleaved-layout" and case != "interleaved-in-a-kernels-module":
+    if case not in ("mirrored-layout", "mirrored-in-a-kernels-module"):
         assert f"transformers {transformers.__version__}" in str(err.value)
 
 
