@@ -121,7 +121,7 @@ class QuantCache(Cache):
         self.options.check_layers(len(layer_types))
         # one rotation matrix for every layer (raises here if head_dim is not a multiple of 8)
         self._rotation = (SharedRotation(fingerprint["head_dim"], self.options.rotation_seed)
-                          if self.options.rotation != "none" else None)
+                          if self.options.uses_rotation() else None)
         layers = []
         for idx, layer_type in enumerate(layer_types):
             calib = self.calibration.layer(idx) if self.calibration is not None else None

@@ -25,6 +25,10 @@ LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
 ROTATE = ("auto", "kv", "k", "v")  # which of keys and values a rotation applies to ("auto": qcache/keyrot.py)
 V_SCALES = ("minmax", "norm")  # qcache/codec.py ValueCodec
 WINDOW_BITS = (16, 8)  # the residual window: as given, or 8-bit per token
+WINDOW_KEYS = ("rotated", "minmax")  # the 8-bit window's keys: Hadamard-rotated, or as given, before their token range
+# options added after recipes were written out complete (calibration format 3, saved caches), with what a recipe
+# written before them meant by leaving them out
+ADDED_OPTIONS = {"window_keys": "minmax"}
 
 __all__ = ["QuantCacheConfig", "format_layer_bits", "parse_layer_bits", "SUPPORTED_BITS", "CLIP_RATIOS", "SCALE_DTYPES",
            "SLIDING_MODES", "ROPE_MODES", "KERNELS", "ROTATIONS", "LEVELS", "ROTATE", "V_SCALES", "WINDOW_BITS"]
@@ -118,6 +122,9 @@ class QuantCacheConfig:
     Kept tokens:
         sink_tokens: first tokens in the cache dtype; recent_tokens: newest tokens kept out of the key blocks;
         window_bits: the residual (recent tokens and the block being filled) as given (16) or 8-bit per token.
+        window_keys: the 8-bit residual's keys "rotated" (a Hadamard rotation spreads outlier channels over the head
+            before each token's range is taken; whatever `rotation` says of the quantized region) or "minmax"
+            (one range per token across the channels as attention gave them).
     Sliding-window layers:
         sliding_layers: "native" (full precision), "quantized" (key blocks) or "tokens" (each token on its own);
         sliding_bits / sliding_v_bits: their widths (None: the layer's own).
@@ -153,6 +160,7 @@ class QuantCacheConfig:
     rotate: str = "auto"
     v_scale: str = "norm"
     window_bits: int = 8
+    window_keys: str = "rotated"
     layer_bits: tuple[tuple[int, int], ...] | None = None
     sliding_bits: int | None = None
     sliding_v_bits: int | None = None
@@ -193,6 +201,11 @@ class QuantCacheConfig:
         v_bits = self.sliding_bits if self.sliding_v_bits is None else self.sliding_v_bits
         return dataclasses.replace(self, k_bits=self.sliding_bits, v_bits=v_bits, sliding_bits=None,
                                    sliding_v_bits=None)
+
+    def uses_rotation(self) -> bool:
+        """Whether a layer with these options needs the Hadamard rotation: for the quantized region (`rotation`) or
+        for the 8-bit window's keys (`window_keys="rotated"`)."""
+        return self.rotation != "none" or (self.window_bits == 8 and self.window_keys == "rotated")
 
     def holds_window_only(self) -> bool:
         """Whether a quantized sliding-window layer with these options keeps no key blocks: with
@@ -243,8 +256,10 @@ class QuantCacheConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantCacheConfig":
-        """The recipe `to_dict` wrote: every option named, none unknown."""
+        """The recipe `to_dict` wrote: every option named, none unknown (an option added since recipes were complete
+        and missing from an older one takes the behaviour from before it, `ADDED_OPTIONS`)."""
         names = [f.name for f in dataclasses.fields(cls)]
+        d = {**{n: v for n, v in ADDED_OPTIONS.items() if n not in d}, **d}
         unknown, missing = sorted(set(d) - set(names)), [n for n in names if n not in d]
         if unknown or missing:
             raise ValueError(f"a recipe names every QuantCacheConfig option once; got unknown {unknown}, missing "
@@ -309,6 +324,7 @@ def _check_kept(cfg: "QuantCacheConfig") -> None:
     _check_nonneg_int("sink_tokens", cfg.sink_tokens)
     _check_nonneg_int("recent_tokens", cfg.recent_tokens)
     _check_choice("window_bits", cfg.window_bits, WINDOW_BITS)
+    _check_choice("window_keys", cfg.window_keys, WINDOW_KEYS)
 
 def _check_sliding(cfg: "QuantCacheConfig") -> None:
     _check_choice("sliding_layers", cfg.sliding_layers, SLIDING_MODES)

@@ -155,7 +155,7 @@ class QuantLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # [B, H, T, D]
         self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, D
-        if self.cfg.rotation != "none":
+        if self.cfg.uses_rotation():
             if self._rotation is None:
                 self._rotation, self._owns_rotation = SharedRotation(D, self.cfg.rotation_seed), True
             elif self._rotation.head_dim != D:
@@ -175,7 +175,8 @@ class QuantLayer(CacheLayerMixin):
     def _token_consts(self, codecs: tuple[ValueCodec, ValueCodec]) -> tuple[dict, dict]:
         """The constants of residual token codecs: the rotation and Gaussian levels of the "norm" form."""
         return tuple({"rotation": self._rotation.on(self.device),
-                      "codebook": gaussian_levels_tensor(codec.bits).to(self.device)} if codec.norm else {}
+                      "codebook": gaussian_levels_tensor(codec.bits).to(self.device)} if codec.norm else
+                     {"rotation": self._rotation.on(self.device)} if codec.rotation else {}
                      for codec in codecs)
 
     def _admit(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> tuple[int, int | None]:

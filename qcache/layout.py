@@ -18,6 +18,8 @@ each quantized on its own by `token_codecs`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .codec import KeyCodec, ValueCodec
@@ -76,7 +78,8 @@ def window_codecs(cfg, head_dim: int, window_only: bool) -> tuple[ValueCodec, Va
     if window_only:
         return token_codecs(cfg, head_dim, (cfg.k_bits, cfg.v_bits))
     if cfg.window_bits == 8:
-        return token_codecs(cfg, head_dim, (8, 8))
+        keys, values = token_codecs(cfg, head_dim, (8, 8))
+        return dataclasses.replace(keys, rotation=cfg.window_keys == "rotated"), values
     return None
 
 

@@ -222,9 +222,18 @@ def test_the_literal_line_decodes_like_the_eager_read(attn, compiled_calls):
     outs = []
     for kernel in ("eager", "compiled"):
         with torch.no_grad():
-            outs.append(model.generate(ids, past_key_values=QuantCache(bits=4, kernel=kernel, **OPTS),
-                                       max_new_tokens=8, do_sample=False, pad_token_id=0))
-    assert torch.equal(outs[0], outs[1])
+            out = model.generate(ids, past_key_values=QuantCache(bits=4, kernel=kernel, **OPTS), max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        outs.append((out.sequences[0, 120:], torch.cat(out.logits).float()))  # [8], [8, V]
+    (eager_tokens, eager_logits), (tokens, logits) = outs
+    # bf16 attention over the read (eager) and fp32 attention from the codes (compiled) round differently: the same
+    # tokens, or tokens that part only where the eager run's own top two are within its rounding (a near tie)
+    same = int((tokens == eager_tokens).cumprod(0).sum())
+    std = float(eager_logits.std())
+    assert (logits[:same + 1] - eager_logits[:same + 1]).abs().max() <= 0.05 * std
+    if same < len(tokens):
+        top2 = eager_logits[same].topk(2).values
+        assert float(top2[0] - top2[1]) <= 0.05 * std
     assert compiled_calls.count("decode_attention") == (7 * 2 if attn == "sdpa" else 0)
 
 

@@ -23,7 +23,8 @@ ROWS = {
 BASE = dict(k_bits=4, v_bits=4, k_group_size=128, v_group_size=None, sink_tokens=4, recent_tokens=128, rope="pre",
             sliding_layers="native", scale_dtype="float16", clip_search=False, codebooks=True, static_keys=False,
             kernel="auto", outliers=0, rotation="hadamard", rotation_seed=0, levels="uniform", rotate="auto",
-            v_scale="norm", window_bits=8, layer_bits=None, sliding_bits=None, sliding_v_bits=None)
+            v_scale="norm", window_bits=8, window_keys="rotated", layer_bits=None, sliding_bits=None,
+            sliding_v_bits=None)
 
 
 def test_the_table_is_these_rows():
@@ -34,6 +35,16 @@ def test_the_table_is_these_rows():
         assert QuantCacheConfig.from_dict(row.to_dict()) == row  # a complete recipe round-trips
         with pytest.raises(dataclasses.FrozenInstanceError):
             row.recent_tokens = 0
+
+
+def test_a_recipe_written_before_window_keys_means_minmax_window_keys():
+    """Calibration files (format 3) and saved caches written before `window_keys` existed held their 8-bit window's
+    keys unrotated: reading their recipe keeps that."""
+    old = QuantCacheConfig().to_dict()
+    del old["window_keys"]
+    assert QuantCacheConfig.from_dict(old) == dataclasses.replace(QuantCacheConfig(), window_keys="minmax")
+    with pytest.raises(ValueError, match=r"missing \['window_bits'\]"):
+        QuantCacheConfig.from_dict({k: v for k, v in QuantCacheConfig().to_dict().items() if k != "window_bits"})
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -21,21 +21,50 @@ def test_bad_window_bits_raise():
         QuantCacheConfig(window_bits=4)
 
 
-def test_window_reads_back_within_8bit_error_and_sinks_stay_exact():
+@pytest.mark.parametrize("window_keys", ["rotated", "minmax"])
+def test_window_reads_back_within_8bit_error_and_sinks_stay_exact(window_keys):
     config = make_model("llama").config
     torch.manual_seed(0)
     k, v = torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)
-    cache = QuantCache(config, bits=4, window_bits=8, **OPTS)
+    cache = QuantCache(config, bits=4, window_bits=8, window_keys=window_keys, **OPTS)
     cache.update(k, v, 0, kwargs={"position_ids": torch.arange(30)[None]})
     layer = cache.layers[0]
     S, Tq = layer.store.length("sink"), layer.quantized_length
     rk, rv = layer.read()
     assert torch.equal(rk[:, :, :S], k[:, :, :S])  # sinks: as given
-    w = slice(S + Tq, 30)  # the window: 8-bit, error at most half a step of each token's range
-    for got, want in ((rk, k), (rv, v)):
-        step = (want[:, :, w].amax(-1, keepdim=True) - want[:, :, w].amin(-1, keepdim=True)) / 255
-        assert bool(((got[:, :, w] - want[:, :, w]).abs() <= step * 0.5 + 1e-3).all())
+    w = slice(S + Tq, 30)  # the window: 8-bit, error at most half a step of each token's range (rotated keys: in
+    # the rotated space, where the range is taken; the rotation is orthogonal, so the error's norm is the same)
+    R = layer.window_consts[0]["rotation"] if window_keys == "rotated" else torch.eye(32)
+    for got, want, rot in ((rk, k, R), (rv, v, torch.eye(32))):
+        coded = want[:, :, w] @ rot
+        step = (coded.amax(-1, keepdim=True) - coded.amin(-1, keepdim=True)) / 255
+        assert bool(((got[:, :, w] @ rot - coded).abs() <= step * 0.5 + 1e-3).all())
         assert not torch.equal(got[:, :, w], want[:, :, w])
+
+
+def test_rotated_window_keys_keep_the_channels_beside_an_outlier():
+    """A key channel 100x the others (Qwen2.5's k_proj biases make such channels): one range per token across the
+    channels rounds every other channel by ~100/255 of their size; rotated first, the outlier's energy is spread and
+    the other channels keep less than half the error (D=32 here; the gain grows with head_dim)."""
+    config = make_model("llama").config
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)
+    k[..., 5] *= 100
+    errors = {}
+    for window_keys in ("rotated", "minmax"):
+        cache = QuantCache(config, bits=4, window_bits=8, window_keys=window_keys, **OPTS)
+        cache.update(k, v, 0, kwargs={"position_ids": torch.arange(30)[None]})
+        layer = cache.layers[0]
+        w = slice(layer.store.length("sink") + layer.quantized_length, 30)
+        rk, _ = layer.read()
+        others = [c for c in range(32) if c != 5]
+        errors[window_keys] = float((rk[:, :, w, others] - k[:, :, w, others]).pow(2).mean().sqrt())
+    assert errors["rotated"] * 2 < errors["minmax"]
+
+
+def test_bad_window_keys_raise():
+    with pytest.raises(ValueError, match=r"window_keys='pca' is not supported; allowed values: \['rotated', 'minmax'\]"):
+        QuantCacheConfig(window_keys="pca")
 
 
 @pytest.mark.parametrize("bits", [4, 2])
