@@ -52,7 +52,6 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_hea
 
 
 LAYOUT = Refusal("the RoPE layout", r"layout qcache does not undo|apply_rotary_pos_emb")
-NO_POSITIONS = Refusal("the missing position_ids", r"position_ids")
 KV_WIDTHS = Refusal("keys and values of different widths", r"(?s)head_dim.*value|value.*head_dim|latent")
 PER_LAYER_HEAD_DIM = Refusal("the head_dim per layer", r"head_dim")
 CHUNKED = Refusal("the RoPE layout or the chunked layers", LAYOUT.pattern + r"|chunked_attention")
@@ -92,14 +91,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("granite", "Granite", "granite"),
     Family("granitemoe", "GraniteMoE", "granitemoe", note="MoE"),
     Family("granitemoeshared", "GraniteMoE (shared experts)", "granitemoeshared", note="MoE"),
-    Family("stablelm", "StableLM", "stablelm", note="partial rotary (25 %)", refusal=NO_POSITIONS),
-    Family("gpt_neox", "GPT-NeoX", "gpt_neox", note="partial rotary (25 %)", refusal=NO_POSITIONS),
-    Family("persimmon", "Persimmon", "persimmon", note="partial rotary (50 %), q/k norm", refusal=NO_POSITIONS),
+    Family("stablelm", "StableLM", "stablelm", note="partial rotary (25 %), no position_ids to the cache"),
+    Family("gpt_neox", "GPT-NeoX", "gpt_neox", note="partial rotary (25 %), no position_ids to the cache"),
+    Family("persimmon", "Persimmon", "persimmon", note="partial rotary (50 %), q/k norm, no position_ids to the cache"),
     Family("nemotron", "Nemotron", "nemotron", note="partial rotary (50 %)"),
     Family("starcoder2", "Starcoder2", "starcoder2", dict(sliding_window=None)),
     Family("cohere", "Cohere", "cohere", note="interleaved RoPE pairs"),
     Family("cohere2", "Cohere2", "cohere2", dict(SLIDING_THEN_FULL), "sliding + full layers, interleaved RoPE pairs"),
-    Family("falcon", "Falcon", "falcon", dict(new_decoder_architecture=True, num_kv_heads=2), refusal=NO_POSITIONS),
+    Family("falcon", "Falcon", "falcon", dict(new_decoder_architecture=True, num_kv_heads=2),
+           "no position_ids to the cache"),
     Family("gptj", "GPT-J", "gptj", dict(rotary_dim=8), "rotary on 8 of 16 channels", refusal=NO_ROPE),
     Family("codegen", "CodeGen", "codegen", dict(rotary_dim=8), "rotary on 8 of 16 channels", refusal=NO_ROPE),
     Family("smollm3", "SmolLM3", "smollm3", dict(no_rope_layers=[1, 0]), "layer 1 without RoPE (NoPE)"),
@@ -110,7 +110,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", "GPT-OSS", "gpt_oss", dict(SLIDING_THEN_FULL),
            "MoE, sliding + full layers, YaRN, cos/sin per rotated pair, attention sinks"),
     Family("ministral", "Ministral", "ministral", dict(SLIDING_THEN_FULL), "sliding + full layers"),
-    Family("ministral3", "Ministral 3", "ministral3", note="YaRN", refusal=NO_POSITIONS),
+    Family("ministral3", "Ministral 3", "ministral3", note="YaRN, no position_ids to the cache"),
     Family("exaone", "EXAONE", "exaone"),
     Family("exaone4", "EXAONE 4", "exaone4", dict(SLIDING_THEN_FULL), "sliding + full layers, q/k norm"),
     Family("internlm3", "InternLM3", "internlm3"),
@@ -197,7 +197,6 @@ def check_family(family: Family, control: bool = False) -> Outcome:
 REFUSAL_REASONS = (
     ("has no RoPE parameters", "no RoPE (learned positions, ALiBi or none)"),
     ("rotates keys with a layout", "a RoPE layout other than rotate-half or interleaved pairs (`rope='post'` allowed)"),
-    ("needs the position_ids", "attention passes no position_ids to the cache (`rope='post'` allowed)"),
     ("convolution/recurrent state", "a recurrent or convolution state (Mamba, linear attention)"),
     ("head_dim per layer", "head_dim set per layer"),
     ("keys with head_dim", "keys and values of different head_dim"),

@@ -34,7 +34,6 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import kernels, layout
-from ._compat import binding_context
 from .binding import positions_from_kwargs
 from .codec import ValueCodec
 from .config import QuantCacheConfig
@@ -192,11 +191,10 @@ class QuantLayer(CacheLayerMixin):
         B, _, T, _ = key_states.shape
         position_ids = positions_from_kwargs(kwargs)
         if position_ids is None:
-            if self.rope is not None:
-                raise ValueError(
-                    "QuantCache(rope='pre') needs the position_ids that attention passes to Cache.update (in its "
-                    f"kwargs) and got none ({binding_context()}): this model's attention calls update without them, "
-                    "so pre-RoPE keys cannot be placed; allowed for it: rope='post'")
+            # attention passed none (GPT-NeoX, Falcon, StableLM, ...): the tokens' places in the cache stand in for
+            # them. RoPE is undone and redone at the same positions, so the keys read back are exact whatever the
+            # model's own positions were; where those are the cache's places plus a constant per row (left padding)
+            # the stored keys are pre-RoPE keys turned by that row's constant angle, as position-free as pre-RoPE
             position_ids = torch.arange(self.cumulative_length, self.cumulative_length + T, device=self.device)[None]
         if position_ids.dim() != 2:
             raise ValueError(f"position_ids must be [batch, seq]; got shape {tuple(position_ids.shape)}")

@@ -117,3 +117,42 @@ def test_interleaved_keys_are_quantized_before_rope(order, monkeypatch):
     assert cache.layers[0].quantized_length == 256
     err = float((read - keys).abs().max() / keys.abs().max())
     assert err < 1e-2 if order == "pairs" else err > 0.1
+
+
+# attention that hands the cache no position_ids: the tokens' places in the cache stand in for them
+NO_POSITION_IDS = {
+    "stablelm": Family("stablelm", "StableLM", "stablelm"),
+    "gpt_neox": Family("gpt_neox", "GPT-NeoX", "gpt_neox"),
+    "persimmon": Family("persimmon", "Persimmon", "persimmon"),
+    "falcon": Family("falcon", "Falcon", "falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "ministral3": Family("ministral3", "Ministral 3", "ministral3"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(NO_POSITION_IDS))
+def test_families_without_position_ids_match_dynamic_cache(key, monkeypatch):
+    """Each family whose attention calls `Cache.update` without position_ids matches DynamicCache at 8 bits over 40
+    greedy tokens (the coverage rule), on the compiled kernel (its decode steps attend from the codes)."""
+    monkeypatch.setenv("QCACHE_KERNEL", "compiled")
+    outcome, _ = check_family(NO_POSITION_IDS[key])
+    assert outcome.kind == "match", outcome.detail
+    assert outcome.quantized_tokens > 0
+
+
+def test_a_left_padded_batch_without_position_ids_matches_dynamic_cache():
+    """GPT-NeoX with two prompts, one left-padded by 7 tokens: the model's positions of that row are the cache's
+    places less 7, a constant per row, so its stored keys stay position-free and the batch matches DynamicCache."""
+    model = build_model(NO_POSITION_IDS["gpt_neox"])
+    prompt = prompt_for(model)
+    ids = torch.cat([prompt, torch.cat([torch.zeros(1, 7, dtype=torch.long), prompt[:, 7:]], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    runs = []
+    for cache in (DynamicCache(config=model.config), QuantCache(**CACHE_OPTIONS, kernel="eager")):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=24, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        runs.append((out.sequences, torch.stack(out.logits).float()))
+    (ref_tokens, ref_logits), (tokens, logits) = runs
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - ref_logits).abs().max() <= LOGIT_TOLERANCE * ref_logits.std()
