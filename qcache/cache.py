@@ -120,6 +120,10 @@ class QuantCache(Cache):
         layer_types = fingerprint["layer_types"] or ["full_attention"] * fingerprint["num_hidden_layers"]
         self.options.check_layers(len(layer_types))
         # one rotation matrix for every layer (raises here if head_dim is not a multiple of 8)
+        if self.options.rotation == "none" and self.options.uses_rotation() and fingerprint["head_dim"] % 8:
+            raise ValueError(f"window_keys='rotated' rotates the 8-bit window's keys with a Hadamard matrix, which needs "
+                             f"head_dim to be a multiple of 8; this model has head_dim={fingerprint['head_dim']} "
+                             "(allowed here: window_keys='minmax' or window_bits=16)")
         self._rotation = (SharedRotation(fingerprint["head_dim"], self.options.rotation_seed)
                           if self.options.uses_rotation() else None)
         layers = []

@@ -84,7 +84,9 @@ def test_head_dim_not_a_multiple_of_8_raises(D):
     for rotate in ("kv", "k", "v"):
         with pytest.raises(ValueError, match=rf"head_dim={D}"):
             QuantCache(config, rotation="hadamard", rotate=rotate, v_scale="minmax")
-    QuantCache(config, rotation="none", rotate="kv", v_scale="minmax")  # without rotation: fine
+    with pytest.raises(ValueError, match=rf"window_keys='rotated' .*head_dim={D} .*allowed here: window_keys='minmax'"):
+        QuantCache(config, rotation="none", rotate="kv", v_scale="minmax")
+    QuantCache(config, rotation="none", rotate="kv", v_scale="minmax", window_keys="minmax")  # without rotation: fine
 
 
 @pytest.mark.parametrize("D", [0, -8])
