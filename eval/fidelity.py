@@ -5,8 +5,9 @@ default cache, key-value needle margins, and the bits per value each cache holds
     python -m eval.fidelity --model gemma3-270m                  # Gemma-3-270M
     python -m eval.fidelity --context 1024 --docs 2 --caches default quant:4 hf-quanto:4 --lengths 1024 --needles 8
 
-Fidelity: `--docs` documents of `--context` tokens of the eval split (the tokenizer's leading special tokens, e.g.
-Gemma's <bos>, then text; calibration never reads this text) go through the default cache and every cache in
+Fidelity: `--docs` documents of `--context` tokens of the eval split, or with `--text code` of Python sources
+(`qcache.tools.data`; the tokenizer's leading special tokens, e.g. Gemma's <bos>, then text; calibration never
+reads either) go through the default cache and every cache in
 `--caches` in lockstep: each `--chunk` (256) tokens run through the default cache, then through every other cache,
 so all see the same tokens. Scored are the predictions made at positions `--score-from` (0.5) x context and later,
 where most of each cache is quantized:
@@ -290,15 +291,15 @@ class ChunkSums:
     ref_nll: float
 
 
-def document_ids(tokenizer, context: int, docs: int) -> torch.LongTensor:
+def document_ids(tokenizer, context: int, docs: int, split: str = "eval") -> torch.LongTensor:
     """[docs, context]: the tokenizer's leading special tokens (what `tokenizer(text)` puts first, e.g. <bos>), then
-    consecutive windows of the eval split (`qcache.tools.data.token_sequences`)."""
+    consecutive windows of `split` ("eval" prose or "code": `qcache.tools.data.token_sequences`)."""
     from qcache.tools.data import token_sequences
 
     prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])
     if len(prefix) >= context:
         raise ValueError(f"context={context} leaves no room for text after {len(prefix)} special tokens")
-    text = token_sequences(tokenizer, "eval", docs, context - len(prefix))  # [docs, context - P]
+    text = token_sequences(tokenizer, split, docs, context - len(prefix))  # [docs, context - P]
     return torch.cat([torch.tensor([prefix] * docs, dtype=torch.long).view(docs, len(prefix)), text], dim=1)
 
 
@@ -640,7 +641,9 @@ def _fidelity_section(report: dict) -> list[str]:
     rows = report["fidelity"]
     ref = next(r for r in rows if r.get("reference"))
     lines = [
-        "", f"## Fidelity: {s['docs']} documents x {s['context']} tokens",
+        "", f"## Fidelity: {s['docs']} documents x {s['context']} tokens of "
+        + ("Python sources (the split 'code': the standard library's own files)" if report.get("text") == "code"
+           else "prose (the eval split)"),
         "", f"Scored: the predictions at positions {s['score_start']}..{s['context'] - 2} of each document "
         f"({s['scored_per_doc']} per document, {s['scored_per_doc'] * s['docs']} in all), where most of each cache "
         f"is quantized. Fed {s['chunk']} tokens at a time; every cache saw the same tokens as the default cache. "
@@ -811,6 +814,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--needles", type=int, default=30, help="needles per length (default 30)")
     p.add_argument("--needle-values", default="number", choices=VALUE_KINDS,
                    help="what the needles' answers are: 5-digit numbers or words (default: number)")
+    p.add_argument("--text", default="eval", choices=["eval", "code"],
+                   help="fidelity documents: the eval split's prose or Python standard-library sources (default: "
+                        "eval; the needles' haystacks stay prose)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward pass through each cache")
     p.add_argument("--score-from", type=float, default=0.5,
                    help="first scored position as a fraction of the context (default 0.5: the second half)")
@@ -897,7 +903,7 @@ def main(argv: list[str] | None = None) -> dict:
     fidelity_rows, needle_rows, ref_ppl = [], [], None
     t = time.perf_counter()
     if caches:
-        ids = document_ids(tokenizer, settings.context, settings.docs)
+        ids = document_ids(tokenizer, settings.context, settings.docs, args.text)
         fidelity_rows = run_fidelity(model, ids, [by_label[s.label] for s in caches], settings,
                                      progress=not args.no_progress)
         scored = [r for r in fidelity_rows if "ref_ppl" in r]
@@ -918,7 +924,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "torch": torch.__version__, "python": platform.python_version()},
         "settings": {**asdict(settings), "lengths": list(settings.lengths), "score_start": settings.score_start,
                      "scored_per_doc": settings.scored_per_doc},
-        "context_note": note, "eval_sha256": sha256_of_split("eval"), "reference_ppl": ref_ppl,
+        "context_note": note, "eval_sha256": sha256_of_split("eval"), "text": args.text,
+        "text_sha256": sha256_of_split(args.text), "reference_ppl": ref_ppl,
         "fidelity": fidelity_rows, "needles": needle_rows,
     }
     Path(f"{out}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

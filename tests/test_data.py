@@ -86,3 +86,22 @@ def test_token_sequences_too_short(word_tokenizer):
 def test_token_sequences_rejects_bad_sizes(word_tokenizer, num_sequences, seq_len):
     with pytest.raises(ValueError, match="must be a positive integer"):
         token_sequences(word_tokenizer, "eval", num_sequences, seq_len)
+
+
+def test_code_split_is_the_interpreters_own_python_sources(word_tokenizer):
+    """The "code" split: the standard library's files in CODE_FILES order (calibration reads only CALIBRATION_FILES),
+    long enough for two 32k-token documents of a code model's tokenizer (~280k Qwen2.5 tokens; here a rough
+    count of words)."""
+    import sysconfig
+    from pathlib import Path
+
+    from qcache.tools.data import CODE_FILES
+
+    text = read_split("code")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    first = (root / CODE_FILES[0]).read_text(encoding="utf-8").strip()
+    assert text.startswith(first) and "def " in text and "class " in text
+    assert len(text.split()) > 2 * 32768
+    assert set(CODE_FILES).isdisjoint(CALIBRATION_FILES)
+    assert token_sequences(word_tokenizer, "code", 2, 64).shape == (2, 64)
+    assert sha256_of_split("code") != sha256_of_split("eval")

