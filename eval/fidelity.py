@@ -108,6 +108,7 @@ class ModelDefaults:
     docs: int
     lengths: tuple[int, ...]
     note: str = ""
+    dtype: str = "bfloat16"  # the weights' dtype when --dtype is not given
 
 
 # sized for about 35 minutes per model with the default caches on 2 nearly idle CPU cores (bf16, measured per cache):
@@ -119,6 +120,10 @@ MODEL_DEFAULTS = {
                                   note="SmolLM2-135M's maximum context"),
     "gemma3-270m": ModelDefaults(context=32768, docs=2, lengths=(8192, 16384, 32768),
                                  note="Gemma-3-270M's maximum context"),
+    # fp32 weights: bf16 matmuls are several times slower on CPUs without bf16 units, and a 1.5B model's 16k
+    # document takes minutes per cache even in fp32
+    "qwen2.5-coder-1.5b": ModelDefaults(context=16384, docs=1, lengths=(4096, 8192, 16384), dtype="float32",
+                                        note="half of Qwen2.5-Coder-1.5B's 32768, for the CPU time"),
 }
 # the calibrated rows: the defaults, with whether keys are rotated too chosen on the calibration split and the file's
 # key codebooks where keys stay unrotated (`python -m qcache.calibrate`'s defaults)
@@ -820,7 +825,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward pass through each cache")
     p.add_argument("--score-from", type=float, default=0.5,
                    help="first scored position as a fraction of the context (default 0.5: the second half)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(MODEL_DTYPES), help="model weights' dtype")
+    p.add_argument("--dtype", default=None, choices=sorted(MODEL_DTYPES),
+                   help="model weights' dtype (default: per model, " + ", ".join(
+                       f"{k} {v.dtype}" for k, v in MODEL_DEFAULTS.items()) + ")")
     p.add_argument("--seed", type=int, default=0, help="seed of the needles and the bootstrap")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -855,7 +862,7 @@ def resolve_args(args: argparse.Namespace) -> tuple[FidelitySettings, list[Cache
         context=context, docs=args.docs if args.docs is not None else defaults.docs, chunk=args.chunk,
         score_from=args.score_from, lengths=tuple(args.lengths if args.lengths is not None else defaults.lengths),
         needles=args.needles, needle_values=args.needle_values, seed=args.seed, bootstrap=args.bootstrap,
-        dtype=args.dtype)
+        dtype=args.dtype or (defaults.dtype if defaults is not None else "bfloat16"))
     default_list = [CacheSpec.parse(c) for c in DEFAULT_CACHES]
     caches = args.caches if args.caches is not None else default_list
     needle_caches = args.needle_caches if args.needle_caches is not None else (caches or default_list)

@@ -474,3 +474,16 @@ def test_needle_fills_end_with_a_piece_that_flushes_transformers_caches(chunk, a
 def test_cache_labels_name_the_widths(kind, bits, options, label):
     """Rows of a K/V split are labelled by both widths (they read 'quant-bit(...)' before)."""
     assert cache_label(kind, bits, **options) == label
+
+
+def test_qwen_defaults_are_16k_in_fp32():
+    """Qwen2.5-Coder-1.5B by short name: half its 32768 context, fp32 weights (bf16 matmuls are several times slower
+    on these CPUs); --dtype still overrides."""
+    settings, *_ = fidelity.resolve_args(fidelity._parser().parse_args(["--model", "qwen2.5-coder-1.5b"]))
+    assert (settings.context, settings.docs, settings.lengths, settings.dtype) == (16384, 1, (4096, 8192, 16384),
+                                                                                    "float32")
+    settings, *_ = fidelity.resolve_args(fidelity._parser().parse_args(["--model", "qwen2.5-coder-1.5b",
+                                                                        "--dtype", "bfloat16"]))
+    assert settings.dtype == "bfloat16"
+    settings, *_ = fidelity.resolve_args(fidelity._parser().parse_args([]))
+    assert settings.dtype == "bfloat16"  # SmolLM2
