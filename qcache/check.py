@@ -81,7 +81,8 @@ class Family:
 
 NO_ROPE = Refusal("the missing RoPE", r"no RoPE|rope_parameters is None")
 
-# the families most checkpoints on the hub belong to, and one that must be refused (no RoPE)
+# the families most checkpoints on the hub belong to, one of each RoPE binding that differs (interleaved pairs, no
+# position_ids), and one that must be refused (no RoPE)
 SMOKE_FAMILIES: tuple[Family, ...] = (
     Family("llama", "Llama", "llama"),
     Family("qwen2", "Qwen2", "qwen2"),
@@ -90,6 +91,8 @@ SMOKE_FAMILIES: tuple[Family, ...] = (
     Family("gemma3_text", "Gemma 3 (text)", "gemma3_text", dict(SLIDING_THEN_FULL, query_pre_attn_scalar=16),
            "sliding + full layers, RoPE per layer type, q/k norm"),
     Family("phi3", "Phi-3", "phi3", dict(sliding_window=None)),
+    Family("cohere", "Cohere", "cohere", note="interleaved RoPE pairs"),
+    Family("gpt_neox", "GPT-NeoX", "gpt_neox", note="no position_ids to the cache"),
     Family("gpt2", "GPT-2", "gpt2", note="learned positions", refusal=NO_ROPE),
 )
 
