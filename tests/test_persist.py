@@ -59,6 +59,21 @@ def test_save_load_continue_equals_continue(setup, tmp_path):
     assert mem.total - mem.reserved == held.total - held.reserved
 
 
+def test_a_short_prefix_held_as_given_round_trips(tmp_path):
+    """A prefix shorter than its first key block is held as given ("early"): the file keeps those tokens as they are,
+    and the loaded cache continues bit for bit, through the point where they take their window codes."""
+    model = make_model("llama")
+    cache = QuantCache(model.config, kernel="eager", k_group_size=16, recent_tokens=8, sink_tokens=2)
+    with torch.no_grad():
+        model(ids(20, 1), past_key_values=cache, use_cache=True)
+    assert cache.layers[0].store.length("early") == 18 and cache.layers[0].quantized_length == 0
+    loaded = QuantCache.load(cache.save(tmp_path / "short.safetensors"), model)
+    assert torch.equal(loaded.layers[0].store.view("early_k"), cache.layers[0].store.view("early_k"))
+    more = ids(12, 2)  # 2 + 8 + 16 = 26 tokens make the first block due
+    assert torch.equal(run(model, cache, more, 20), run(model, loaded, more, 20))
+    assert loaded.layers[0].store.length("early") == 0 and loaded.layers[0].quantized_length == 16
+
+
 def test_a_calibrated_cache_round_trips(tmp_path):
     """The calibrated levels the layers read travel in the file: the loaded cache needs no calibration file."""
     from qcache.calibfile import CalibrationData, model_fingerprint
