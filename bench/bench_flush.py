@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
               "repeats": args.repeats, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    Path(f"{out}.json").write_text(json.dumps(report, indent=2))
     lines = [f"# Flush micro-benchmark: time per appended key block", "",
              f"`{report['command']}` at {report['git']['commit'][:10]}"
              f"{'' if report['git']['clean'] else ' (uncommitted changes)'}; torch {torch.__version__}, 1 thread, "
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['stored_tokens']} | {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['max_ms']:.2f} | "
                      f"{r['median_ratio']:.2f} | {r['mean_ratio']:.2f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

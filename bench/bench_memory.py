@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    Path(f"{out}.json").write_text(json.dumps(report, indent=2))
     lines = ["# Bytes held at the model's full context", "",
              f"`{report['command']}` at {report['git']['commit'][:10]}"
              f"{'' if report['git']['clean'] else ' (uncommitted changes)'}. Caches filled through `Cache.update` "
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         mem = f"{r['memory_total'] / 1e6:.2f}" if "memory_total" in r else ""
         lines.append(f"| {r['model']} | {r['tokens']} | {r['cache']} | {r['reachable_bytes'] / 1e6:.2f} | "
                      f"{r['ratio_to_default']:.3f} | {r['bits_per_value_held']:.2f} | {mem} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

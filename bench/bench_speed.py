@@ -793,8 +793,8 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_minutes"] = (time.perf_counter() - start) / 60
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(result) + "\n")
+    Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    Path(f"{out}.md").write_text(to_markdown(result) + "\n")
     print(to_markdown(result))
     return 0
 

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         data = json.loads(args.render.read_text())
         outcomes = [Outcome(**o) for o in data.pop("outcomes")]
-        args.out.with_suffix(".md").write_text(render_markdown(outcomes, data))
+        Path(f"{args.out}.md").write_text(render_markdown(outcomes, data))
         print(summary_markdown(outcomes))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -327,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
               "prompt_tokens": PROMPT_TOKENS, "steps": STEPS, "logit_tolerance": LOGIT_TOLERANCE,
               "families": [f.key for f in chosen]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
+    Path(f"{args.out}.json").write_text(
         json.dumps({**header, "outcomes": [o.to_dict() for o in outcomes]}, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(render_markdown(outcomes, header))
+    Path(f"{args.out}.md").write_text(render_markdown(outcomes, header))
     print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
     return 0
 

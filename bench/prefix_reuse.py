@@ -155,8 +155,8 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-        out.with_suffix(".md").write_text(render(report))
+        Path(f"{out}.json").write_text(json.dumps(report, indent=1) + "\n")
+        Path(f"{out}.md").write_text(render(report))
     return 0
 
 
