@@ -72,8 +72,9 @@ def check_states(fingerprint: dict, key_states: torch.Tensor, value_states: torc
     if key_states.shape[-1] != value_states.shape[-1]:
         raise ValueError(
             f"layer {layer_idx} hands the cache keys with head_dim {key_states.shape[-1]} and values with head_dim "
-            f"{value_states.shape[-1]}; QuantCache needs one head_dim for both (multi-head latent attention caches "
-            "its latent and rotary part instead of keys and values)")
+            f"{value_states.shape[-1]}; QuantCache needs one head_dim for both: not supported are keys and values of "
+            "different widths (values wider than keys, as in MiMo-V2-Flash) and multi-head latent attention, whose "
+            "layers cache their latent and rotary part here instead of keys and values (DeepSeek-V3, MiniCPM3)")
     fp = fingerprint
     if layer_idx >= num_layers:
         raise ValueError(f"layer_idx={layer_idx} but the model this QuantCache was built for has {num_layers} layers; "
