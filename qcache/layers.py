@@ -172,11 +172,15 @@ class QuantLayer(CacheLayerMixin):
         raise NotImplementedError
 
     def _token_consts(self, codecs: tuple[ValueCodec, ValueCodec]) -> tuple[dict, dict]:
-        """The constants of residual token codecs: the rotation and Gaussian levels of the "norm" form."""
-        return tuple({"rotation": self._rotation.on(self.device),
-                      "codebook": gaussian_levels_tensor(codec.bits).to(self.device)} if codec.norm else
-                     {"rotation": self._rotation.on(self.device)} if codec.rotation else {}
-                     for codec in codecs)
+        """The constants of residual token codecs: the rotation of a rotated one, the Gaussian levels of the "norm"
+        form (which is rotated)."""
+        consts = []
+        for codec in codecs:
+            c = {"rotation": self._rotation.on(self.device)} if codec.rotation else {}
+            if codec.norm:
+                c["codebook"] = gaussian_levels_tensor(codec.bits).to(self.device)
+            consts.append(c)
+        return tuple(consts)
 
     def _admit(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict) -> tuple[int, int | None]:
         """Start an update of T tokens: initialize, check the states and place them after each row's run. Returns T
