@@ -19,7 +19,7 @@ from .quant import SUPPORTED_BITS  # the rows of qcache.quant.WIDTHS
 SCALE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}  # name -> bytes per element
 SLIDING_MODES = ("native", "quantized", "tokens")
 ROPE_MODES = ("pre", "post")
-KERNELS = ("auto", "eager", "compiled")
+KERNELS = ("auto", "eager", "compiled", "native")
 ROTATIONS = ("none", "hadamard")  # qcache/rotation.py
 LEVELS = ("uniform", "lloyd-max")  # qcache/levels.py
 ROTATE = ("auto", "kv", "k", "v")  # which of keys and values a rotation applies to ("auto": qcache/keyrot.py)
@@ -131,7 +131,8 @@ class QuantCacheConfig:
     Other:
         codebooks: use a calibration file's levels on the streams they were fitted for (`codebook_streams`);
         outliers: values per group kept aside in the cache dtype; clip_search: search a clipping ratio per group;
-        scale_dtype: dtype of scales and zeros; kernel: "auto", "eager" or "compiled" read.
+        scale_dtype: dtype of scales and zeros; kernel: "auto", "eager", "compiled" or "native" (qcache/kernels.py,
+            qcache/native.py).
 
     Example:
         >>> QuantCacheConfig().k_bits

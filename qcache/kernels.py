@@ -33,7 +33,7 @@ from .quant import nearest_levels_unrolled
 from .rope import compose, rotate_half_width
 
 __all__ = ["Quantized", "key_planes", "rotate_planes", "read_keys", "read_values", "decode_attention", "compiled",
-           "resolve_kernel"]
+           "resolve_kernel", "resolve_decode"]
 
 
 class Quantized(NamedTuple):
@@ -190,12 +190,10 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     """The read path a cache configured with `kernel` uses on `device`: "auto" becomes "compiled" where
     torch.compile builds and runs a small probe on that device type (tried once per process and device type) and
     "eager" elsewhere, logged once at INFO either way; QCACHE_KERNEL=eager|compiled overrides "auto"."""
-    if kernel != "auto":
+    if kernel in ("eager", "compiled"):
         return kernel
-    forced = os.environ.get("QCACHE_KERNEL")
-    if forced:
-        if forced not in ("eager", "compiled"):
-            raise ValueError(f"QCACHE_KERNEL={forced!r} is not supported; allowed values: ['eager', 'compiled']")
+    forced = _forced()
+    if forced in ("eager", "compiled") and kernel == "auto":
         return forced
     kind = torch.device(device).type
     if kind not in _COMPILER_WORKS:
@@ -210,3 +208,76 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
                         "(%s: %s); decode is slower (install a C++ compiler on CPU, Triton on GPU)", kind,
                         type(err).__name__, " ".join(str(err).split())[:300])
     return "compiled" if _COMPILER_WORKS[kind] else "eager"
+
+
+_FORCED = ("eager", "compiled", "native")
+_LOGGED: set[tuple] = set()
+
+
+def _forced() -> str | None:
+    forced = os.environ.get("QCACHE_KERNEL")
+    if forced and forced not in _FORCED:
+        raise ValueError(f"QCACHE_KERNEL={forced!r} is not supported; allowed values: {list(_FORCED)}")
+    return forced or None
+
+
+def resolve_decode(kernel: str, device: torch.device, k_codec: KeyCodec, v_codec: ValueCodec, head_dim: int,
+                   k_consts: dict) -> tuple[str, str | None]:
+    """(read, decode) for a block layer configured with `kernel` on `device`: the read path ("eager" or "compiled")
+    and what attends from the codes at a decode step ("native": qcache's own kernel for the device, the C kernel of
+    qcache/native.py on CPU, the Triton kernels of qcache/triton_decode.py on CUDA; "compiled": the
+    torch.compile'd `decode_attention`, None: attention gets the read). "eager" is (eager, None), "compiled"
+    (compiled, compiled), "native" (the read "auto" gives, native) and raises where the C kernel cannot serve this
+    layer; "auto" (or QCACHE_KERNEL) takes native where it builds and reads this configuration, else the
+    compiled decode where torch.compile works, else none."""
+    from . import native
+
+    if kernel == "auto":
+        kernel = _forced() or "auto"
+    if kernel == "eager":
+        return "eager", None
+    if kernel == "compiled":
+        return "compiled", "compiled"
+    kind = torch.device(device).type
+    if kind == "cpu":
+        reason = native.unsupported(k_codec, v_codec, head_dim, 1, k_consts)
+    elif kind == "cuda":
+        reason = _triton_unsupported(k_codec, v_codec, head_dim)
+    else:
+        reason = f"a {kind} device (qcache's own decode kernels run on CPU and CUDA)"
+    if kernel == "native":
+        if reason is not None:
+            raise ValueError(f"kernel='native' cannot serve this layer ({reason}); allowed: kernel='auto', 'compiled' "
+                             "or 'eager'")
+        if kind == "cpu":
+            native._load()  # raises with the way out where the C compiler is missing
+        return resolve_kernel("auto", device), "native"
+    read = resolve_kernel("auto", device)
+    if reason is None and kind == "cpu" and not native.available():
+        reason = "qcache's C kernel does not build here (a C compiler with OpenMP is needed)"
+    decode = "native" if reason is None else ("compiled" if read == "compiled" else None)
+    key = (kind, decode, reason)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("qcache: kernel='auto' decodes from the codes with %s on %s%s", decode or "no fused kernel", kind,
+                    "" if reason is None else f" (the C kernel does not: {reason})")
+    return read, decode
+
+
+def _triton_unsupported(k_codec: KeyCodec, v_codec: ValueCodec, head_dim: int) -> str | None:
+    """What of a layer's codecs the Triton decode kernels cannot read, known before the layer holds tokens (the
+    rest, from the stored tensors, is checked at each call: `triton_decode.unsupported`)."""
+    from . import triton_decode
+
+    error = triton_decode._triton_error()
+    if error is not None:
+        return f"triton is not importable ({error})"
+    if k_codec.outliers or v_codec.outliers:
+        return "outliers"
+    if k_codec.static:
+        return "static key ranges"
+    if head_dim % 8 or head_dim > triton_decode._MAX_D or (k_codec.rotation and head_dim > triton_decode._MAX_D_ROTATED):
+        return f"head_dim {head_dim} (rotated keys up to {triton_decode._MAX_D_ROTATED}, else up to {triton_decode._MAX_D})"
+    if not v_codec.norm and head_dim % v_codec.group:
+        return f"value groups of {v_codec.group} channels do not tile head_dim {head_dim}"
+    return None

@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
-from . import kernels, layout
+from . import kernels, layout, native, triton_decode
 from .binding import positions_from_kwargs
 from .codec import ValueCodec
 from .config import QuantCacheConfig
@@ -372,7 +372,9 @@ class BlockLayer(QuantLayer):
         if cfg.rotation != "none":
             for stream in cfg.rotate:  # "k" and/or "v"
                 self.consts[stream]["rotation"] = self._rotation.on(self.device)
-        self.kernel = kernels.resolve_kernel(cfg.kernel, self.device)  # "eager" or "compiled"
+        # the read ("eager" or "compiled") and the decode step's attention from the codes (None: attention reads)
+        self.kernel, self.decode_kernel = kernels.resolve_decode(cfg.kernel, self.device, self.k_codec, self.v_codec,
+                                                                 head_dim, self.consts["k"])
         self.window_codecs = layout.window_codecs(cfg, head_dim, False)  # 8-bit tokens, or None: as given
         G = self.k_codec.group
         parts = layout.layer_parts(self.k_codec, self.v_codec, self.window_codecs, head_dim, self.dtype)
@@ -395,7 +397,7 @@ class BlockLayer(QuantLayer):
         s.append("sink", sink_k=key_states[:, :, :n_sink], sink_v=value_states[:, :, :n_sink])
         self._append_window(key_states[:, :, n_sink:], value_states[:, :, n_sink:])
         self._flush()
-        if T == 1 and self.kernel == "compiled" and not self.is_sliding and s.length("token") > 0:
+        if T == 1 and self.decode_kernel is not None and not self.is_sliding and s.length("token") > 0:
             res_k, res_v = self._window()
             fp_k, fp_v = torch.cat([s.view("sink_k"), res_k], dim=2), torch.cat([s.view("sink_v"), res_v], dim=2)
             step = DecodeStep(self, fp_k, fp_v, self.stored_length())
@@ -511,9 +513,12 @@ class BlockLayer(QuantLayer):
             raise ValueError(f"layer {self.layer_idx}: got {fp_k.shape[2]} full-precision tokens, the layer holds "
                              f"{S + R}: pass the DecodeStep of this step")
         D = query.shape[-1]
-        return kernels.compiled("decode_attention", self._kernel_variant)(
-            self._key_order(query.float()), fp_k, fp_v, bias, self._quantized(), S, D**-0.5 if scaling is None else scaling,
-            self.k_codec, self.v_codec)
+        if self.decode_kernel == "native":
+            fn = native.decode_attention if query.device.type == "cpu" else triton_decode.decode_attention
+        else:
+            fn = kernels.compiled("decode_attention", self._kernel_variant)
+        return fn(self._key_order(query.float()), fp_k, fp_v, bias, self._quantized(), S,
+                  D**-0.5 if scaling is None else scaling, self.k_codec, self.v_codec)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a negative int, as for `DynamicLayer`).

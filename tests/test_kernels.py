@@ -98,7 +98,7 @@ def test_every_layout_reads_compiled(compiled_calls):
 
 
 def test_kernel_option_is_checked():
-    with pytest.raises(ValueError, match=r"kernel=.triton.*allowed values: \[.auto., .eager., .compiled.\]"):
+    with pytest.raises(ValueError, match=r"kernel=.triton.*allowed values: \[.auto., .eager., .compiled., .native.\]"):
         QuantCacheConfig(kernel="triton")
 
 
@@ -314,7 +314,7 @@ def test_auto_kernel_is_compiled_where_torch_compile_works(monkeypatch, caplog):
     monkeypatch.setenv("QCACHE_KERNEL", "compiled")
     assert kernels.resolve_kernel("auto", torch.device("cpu")) == "compiled"
     monkeypatch.setenv("QCACHE_KERNEL", "fast")
-    with pytest.raises(ValueError, match=r"QCACHE_KERNEL='fast'.*\['eager', 'compiled'\]"):
+    with pytest.raises(ValueError, match=r"QCACHE_KERNEL='fast'.*\['eager', 'compiled', 'native'\]"):
         kernels.resolve_kernel("auto", torch.device("cpu"))
 
 

@@ -1,0 +1,174 @@
+"""kernel="native" (qcache/native.py, qcache/csrc/decode.c): the C decode attention over the packed codes gives the
+numbers of `kernels.decode_attention` (the reference every other path is tested against) on every width and codec
+it claims, is what `QuantCache(bits=4)` decodes with on CPU, and refuses what it cannot read instead of reading it
+wrong."""
+
+import logging
+
+import pytest
+import torch
+
+from conftest import make_model
+from qcache import QuantCache, kernels, native
+from qcache.handover import HeldStates
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler with OpenMP here")
+
+SMALL = dict(k_group_size=16, recent_tokens=8, sink_tokens=2)
+
+
+def _config(geometry):
+    """Configs of the geometries the kernel must read: (family, head_dim, query heads, kv heads)."""
+    from transformers import LlamaConfig, Qwen2Config, StableLmConfig
+
+    if geometry == "tiny":
+        return make_model("llama").config
+    kind, D, heads, kv = geometry
+    common = dict(hidden_size=heads * D, intermediate_size=64, num_hidden_layers=1, num_attention_heads=heads,
+                  num_key_value_heads=kv, vocab_size=96)
+    if kind == "stablelm":  # partial rotary: a quarter of the channels rotate
+        return StableLmConfig(partial_rotary_factor=0.25, **common)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind](head_dim=D, **common)
+
+
+def _layer(geometry="tiny", n=150, batch=2, seed=0, **options):
+    """Layer 0 of a cache fed `n` random tokens in one prefill: [sinks | quantized blocks | 8-bit window]."""
+    config = _config(geometry)
+    cache = QuantCache(config, kernel="eager", **{**SMALL, **options})
+    g = torch.Generator().manual_seed(seed)
+    H = config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    k, v = (torch.randn(batch, H, n, D, generator=g).to(torch.bfloat16) * 2 for _ in range(2))
+    k[..., 3] += 12  # an outlier key channel
+    cache.update(k, v, 0, kwargs={"position_ids": torch.arange(n)[None].expand(batch, n)})
+    return cache.layers[0]
+
+
+def _both(layer, groups=3, mask=True, seed=1):
+    """(native, reference) outputs of one decode query over everything the layer holds."""
+    s = layer.store
+    S = s.length("sink")
+    res_k, res_v = layer._window()
+    fp_k, fp_v = torch.cat([s.view("sink_k"), res_k], 2), torch.cat([s.view("sink_v"), res_v], 2)
+    B, H, _, D = fp_k.shape
+    T = S + s.length("token") + res_k.shape[2]
+    query = torch.randn(B, H, groups, D, generator=torch.Generator().manual_seed(seed))
+    bias = None
+    if mask:
+        bias = torch.zeros(B, 1, 1, T)
+        bias[-1, ..., :21] = torch.finfo(torch.float32).min  # row B-1 does not see its first 21 tokens
+    q = layer._quantized()
+    args = (query, fp_k, fp_v, bias, q, S, D**-0.5, layer.k_codec, layer.v_codec)
+    return native.decode_attention(*args), kernels.decode_attention(*args)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("options", [{}, {"rotate": "kv"}, {"rotate": "v", "v_scale": "minmax"},
+                                     {"rotation": "none", "rotate": "kv", "v_scale": "minmax"}],
+                         ids=["defaults", "rotated-keys", "minmax-values", "no-rotation"])
+def test_native_equals_the_reference(bits, options):
+    layer = _layer(bits=bits, **options)
+    assert layer.quantized_length >= 128 and native.unsupported(layer.k_codec, layer.v_codec, 32, 3,
+                                                                  layer.consts["k"]) is None
+    out, ref = _both(layer)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("geometry", [("llama", 64, 9, 3), ("qwen2", 128, 12, 2), ("llama", 80, 4, 2),
+                                      ("stablelm", 64, 4, 4)],
+                         ids=["smollm2-like", "qwen2.5-like", "head_dim-80", "partial-rotary"])
+def test_native_on_other_geometries(geometry):
+    """SmolLM2's and Qwen2.5's head dims and GQA ratios, a head dim whose rotation has blocks of 16 channels, and a
+    partial rotary width (StableLM: 16 of 64 channels rotate)."""
+    _, _, heads, kv = geometry
+    layer = _layer(geometry, bits=4, rotate="kv")
+    out, ref = _both(layer, groups=heads // kv)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mask_is_applied():
+    layer = _layer(bits=4)
+    masked, _ = _both(layer, mask=True)
+    plain, _ = _both(layer, mask=False)
+    assert torch.equal(masked[0], plain[0]) and not torch.allclose(masked[-1], plain[-1], atol=1e-4)
+
+
+def test_the_literal_line_decodes_natively(monkeypatch):
+    """`generate(..., past_key_values=QuantCache(bits=4))` with stock sdpa and no other opt-in: every decode step of
+    every layer attends through the C kernel, and the tokens and logits are the eager read's (bf16 attention over
+    the read there: a near tie may part, as in tests/test_kernels.py)."""
+    monkeypatch.delenv("QCACHE_KERNEL", raising=False)
+    calls = []
+    real = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    model = make_model("llama", dtype=torch.bfloat16)
+    ids = torch.randint(2, 96, (1, 120), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for kernel in ("eager", "auto"):
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=QuantCache(bits=4, kernel=kernel, **SMALL), max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        outs.append((out.sequences[0, 120:], torch.cat(out.logits).float()))
+    (eager_tokens, eager_logits), (tokens, logits) = outs
+    same = int((tokens == eager_tokens).cumprod(0).sum())
+    std = float(eager_logits.std())
+    assert (logits[:same + 1] - eager_logits[:same + 1]).abs().max() <= 0.05 * std
+    if same < len(tokens):
+        top2 = eager_logits[same].topk(2).values
+        assert float(top2[0] - top2[1]) <= 0.05 * std
+    assert len(calls) == 7 * model.config.num_hidden_layers  # 7 decode steps x layers
+
+
+def test_decode_step_hands_over_to_native():
+    config = make_model("llama").config
+    cache = QuantCache(config, bits=4, kernel="native", **SMALL)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    for n, pos in ((70, 0), (1, 70)):
+        k, v = (torch.randn(1, 2, n, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+        keys, values = cache.update(k, v, 0, kwargs={"position_ids": torch.arange(pos, pos + n)[None]})
+    assert layer.decode_kernel == "native" and isinstance(keys, HeldStates)
+    out = torch.nn.functional.scaled_dot_product_attention(torch.randn(1, 4, 1, 32).to(torch.bfloat16), keys, values,
+                                                           enable_gqa=True)
+    assert keys.step.fused == 1 and out.shape == (1, 4, 1, 32)
+
+
+def test_what_native_cannot_read_is_refused_or_left_to_the_compiled_decode(caplog, monkeypatch):
+    """Outliers and static key ranges are not read by the C kernel: kernel='native' raises naming the allowed
+    kernels; kernel='auto' decodes them with the compiled kernel and says why at INFO."""
+    config = make_model("llama").config
+    k = torch.randn(1, 2, 40, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"kernel='native' cannot serve this layer \(outliers\).*'compiled' or 'eager'"):
+        QuantCache(config, bits=4, outliers=1, v_scale="minmax", kernel="native", **SMALL).update(
+            k, k, 0, kwargs={"position_ids": torch.arange(40)[None]})
+    monkeypatch.delenv("QCACHE_KERNEL", raising=False)  # (the suite's conftest sets it to eager)
+    kernels._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="qcache.kernels"):
+        cache = QuantCache(config, bits=4, outliers=1, v_scale="minmax", **SMALL)
+        cache.update(k, k, 0, kwargs={"position_ids": torch.arange(40)[None]})
+    assert cache.layers[0].decode_kernel == "compiled" and "outliers" in caplog.text
+    with pytest.raises(ValueError, match=r"cannot read this layer's codes \(outliers\)"):
+        native.decode_attention(torch.zeros(1, 2, 1, 32), None, None, None, cache.layers[0]._quantized(), 2, 1.0,
+                                cache.layers[0].k_codec, cache.layers[0].v_codec)
+
+
+def test_a_failed_build_names_the_way_out(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-qcache")
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_error", None)
+    assert not native.available()
+    with pytest.raises(RuntimeError, match=r"no-such-compiler-qcache.*kernel='compiled' or kernel='eager'"):
+        native._load()
+    assert not list(tmp_path.rglob("*.so*"))  # nothing half-written stays behind
+
+
+def test_the_library_is_built_once_into_qcache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_error", None)
+    assert native.available()
+    built = list((tmp_path / "kernels").glob("decode-*.so"))
+    assert built == [native.library_path()] and not list(tmp_path.rglob("*.tmp"))
+    out, ref = _both(_layer(bits=4))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
