@@ -514,41 +514,41 @@ def measure_rss(args, rows: list[Row]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 
 def check_targets(result: dict) -> list[dict]:
-    """The targets this benchmark reports against, each with the measured value: the default QuantCache(bits=4)
-    with stock sdpa >= 0.9x DynamicCache at 4k and 8k; with qcache_fp32 on both sides >= 1.0x at 8k (SmolLM2) and
-    >= 1.2x at 32k (Gemma-3); 4-bit decode >= 3x quanto 4-bit as shipped; prefill >= 0.9x."""
+    """The targets this benchmark reports against, each with the measured value: the literal QuantCache(bits=4) with
+    stock sdpa >= 1.0x DynamicCache at 8k and >= 1.1x at 32k; each cache on its faster attention (DynamicCache on
+    sdpa or qcache_fp32, QuantCache likewise) >= 1.2x at 8k; quanto 4-bit as shipped <= 0.4x of QuantCache 4-bit;
+    prefill >= 0.95x."""
     dec = {(r["row"], r["context"]): r for r in result.get("decode", [])}
     model = result["args"].get("model", "")
     targets = []
 
-    def add(target: str, value: float | None, threshold: float) -> None:
+    def add(target: str, value: float | None, threshold: float, at_most: bool = False) -> None:
         if value is not None:
-            targets.append({"target": target, "value": value, "pass": value >= threshold})
+            targets.append({"target": target, "value": value,
+                            "pass": value <= threshold if at_most else value >= threshold})
 
-    for L in (4096, 8192):
+    for L, need in ((8192, 1.0), (32768, 1.1)):
         q4 = dec.get(("quant-4bit", L))
         if q4 is not None:
-            add(f"default QuantCache(bits=4), stock sdpa: decode >= 0.9x DynamicCache at {L}", q4["speed_vs_default"],
-                0.9)
-    for L, need in ((8192, 1.0), (32768, 1.2)):
-        q4, ref = dec.get(("quant-4bit@fp32", L)), dec.get(("default@fp32", L))
+            add(f"the literal QuantCache(bits=4), stock sdpa: decode >= {need}x DynamicCache at {L}",
+                q4["speed_vs_default"], need)
+    for L in (8192, 32768):
+        best = lambda rows: max((dec[(r, L)]["tokens_per_s"] for r in rows if (r, L) in dec), default=None)  # noqa
+        q4, ref = best(("quant-4bit", "quant-4bit@fp32")), best(("default", "default@fp32"))
         if q4 is not None and ref is not None:
-            add(f"QuantCache(bits=4) vs DynamicCache, both on qcache_fp32: decode >= {need}x at {L}",
-                q4["tokens_per_s"] / ref["tokens_per_s"], need)
-    for L in (8192,):
-        quanto = dec.get(("hf-quanto-4bit", L))
-        for label in ("quant-4bit", "quant-4bit@fp32"):
-            q4 = dec.get((label, L))
-            if q4 is not None and quanto is not None:
-                add(f"{label} decode >= 3x quanto 4-bit as shipped (stock sdpa) at {L}",
-                    q4["tokens_per_s"] / quanto["tokens_per_s"], 3.0)
+            add(f"QuantCache(bits=4) vs DynamicCache, each on its faster attention: decode >= 1.2x at {L}",
+                q4 / ref, 1.2)
+    quanto, q4 = dec.get(("hf-quanto-4bit", 8192)), dec.get(("quant-4bit", 8192))
+    if quanto is not None and q4 is not None:
+        add("quanto 4-bit as shipped <= 0.4x of QuantCache(bits=4) (both stock sdpa) at 8192",
+            quanto["tokens_per_s"] / q4["tokens_per_s"], 0.4, at_most=True)
     prefill = {(r["row"], r["context"]): r for r in result.get("prefill", [])}
     for (row, L), r in sorted(prefill.items()):
         if row == "quant-4bit@fp32" and ("default@fp32", L) in prefill:
-            add(f"QuantCache(bits=4) prefill vs DynamicCache, both on qcache_fp32, >= 0.9x at {L}",
-                prefill[("default@fp32", L)]["seconds_median"] / r["seconds_median"], 0.9)
+            add(f"QuantCache(bits=4) prefill vs DynamicCache, both on qcache_fp32, >= 0.95x at {L}",
+                prefill[("default@fp32", L)]["seconds_median"] / r["seconds_median"], 0.95)
         if row == "quant-4bit":
-            add(f"QuantCache(bits=4) prefill, stock sdpa, >= 0.9x DynamicCache at {L}", r["speed_vs_default"], 0.9)
+            add(f"QuantCache(bits=4) prefill, stock sdpa, >= 0.95x DynamicCache at {L}", r["speed_vs_default"], 0.95)
     for r in result.get("rss", []):
         if r["row"].startswith("quant-") and r.get("reduction_over_saved") is not None:
             add(f"{r['row']}: peak RSS reduction >= 70% of KV bytes saved at {r['context']}",
@@ -575,12 +575,13 @@ def to_markdown(result: dict) -> str:
              "decodes without a mask through SDPA's `enable_gqa=True`, which the CPU flash kernel runs ~8x slower "
              "for one query than qcache_fp32's folding of the query heads sharing a kv head (no K/V copy): that, not "
              "fp32, is why `@fp32` rows decode faster. Quant rows without `+kernel` run the default kernel='auto' "
-             "(the compiled read here); their decode steps then attend from the codes under stock sdpa and under "
-             "qcache_fp32 alike (qcache/handover.py, qcache/kernels.py `decode_attention`): scores and the weighted "
-             "sum of values computed from the codes in fp32, no dequantized K/V handed to attention. `+eager` rows "
-             "read with plain PyTorch ops and hand attention the dequantized cache.", ""]
+             "(the compiled read; decode steps through qcache's C kernel, qcache/native.py, where it builds): their "
+             "decode steps attend from the codes under stock sdpa and under qcache_fp32 alike (qcache/handover.py): "
+             "scores and the weighted sum of values computed from the codes in fp32, no dequantized K/V handed to "
+             "attention. `+compiled` rows decode with the torch.compile'd `kernels.decode_attention` instead; "
+             "`+eager` rows read with plain PyTorch ops and hand attention the dequantized cache.", ""]
     if result.get("targets"):
-        lines += ["## Targets", "", "Speeds are ratios of tokens/s (or of 1 / prefill seconds); '3x quanto' compares "
+        lines += ["## Targets", "", "Speeds are ratios of tokens/s (or of 1 / prefill seconds); the quanto line compares "
                   "QuantCache 4-bit with hf-quanto 4-bit in the same run; the RSS target is (default's peak RSS growth "
                   "- the row's) / (default's KV bytes - the row's).", "",
                   "| target | measured | |", "|---|---:|---|"]

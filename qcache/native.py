@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -51,10 +52,21 @@ def _compiler() -> str:
     return os.environ.get("CC") or "cc"
 
 
+def _cpu() -> str:
+    """What `-march=native` compiles for: the CPU's model and feature flags (Linux), else the machine type."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        return "|".join(sorted({line for line in info if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
 def library_path() -> Path:
-    """Where the compiled kernel lives: a name from the hash of its source, compiler and flags."""
+    """Where the compiled kernel lives: a name from the hash of its source, compiler, flags and CPU (a home directory
+    shared by machines of other CPUs gets one library per CPU)."""
     root = Path(os.environ.get("QCACHE_HOME") or Path.home() / ".cache" / "qcache").expanduser() / "kernels"
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join([_compiler(), *_FLAGS]).encode()).hexdigest()[:16]
+    key = _SOURCE.read_bytes() + " ".join([_compiler(), *_FLAGS, _cpu()]).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     return root / f"decode-{digest}.so"
 
 

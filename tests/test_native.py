@@ -172,3 +172,28 @@ def test_the_library_is_built_once_into_qcache_home(monkeypatch, tmp_path):
     assert built == [native.library_path()] and not list(tmp_path.rglob("*.tmp"))
     out, ref = _both(_layer(bits=4))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_roofline_bench_runs(tmp_path):
+    """bench/decode_roofline.py on a short context: every row timed, its bandwidth positive and below what a copy
+    moves many times over (a broken timing would give zero or absurd numbers)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "decode_roofline.py"
+    spec = importlib.util.spec_from_file_location("decode_roofline", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        module.main(["--contexts", "512", "--repeats", "2", "--copy-mib", "16", "--threads", "1",
+                     "--out", str(tmp_path / "r")])
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [r["geometry"] for r in result["rows"]] == ["smollm2-135m", "qwen2.5-coder-1.5b"]
+    for r in result["rows"]:
+        assert r["quantized_tokens"] >= 256 and r["bytes_read"] > 0
+        assert 0 < r["c_gb_s"] < 100 * result["copy_gb_s"] and r["total_ms"] >= r["c_ms"] * 0.5
+    assert "C / copy" in (tmp_path / "r.md").read_text()
