@@ -33,6 +33,7 @@ import threading
 from pathlib import Path
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .codec import KeyCodec, ValueCodec
 
@@ -45,7 +46,7 @@ _MAX_D, _MAX_G = 256, 64  # the C function's stack tiles
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
-_fold_cache: dict[tuple, torch.Tensor] = {}
+_fold_cache = WeakTensorKeyDictionary()  # rotation matrix -> its fold (per live tensor: no stale address reuse)
 
 
 def _compiler() -> str:
@@ -123,9 +124,8 @@ def available() -> bool:
 def _hadamard_fold(rotation: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """For R = blockdiag(H_b) diag(s) / sqrt(b) (qcache/rotation.py): (s / sqrt(b) [D] fp32, b), so that x @ R.T is
     the Walsh-Hadamard butterfly of x * s / sqrt(b) within blocks of b channels. None for any other matrix."""
-    key = (rotation.data_ptr(), tuple(rotation.shape), str(rotation.device))
-    if key in _fold_cache:
-        return _fold_cache[key]
+    if rotation in _fold_cache:
+        return _fold_cache[rotation]
     D = rotation.shape[0]
     b = D & -D
     idx = torch.arange(D)
@@ -135,7 +135,7 @@ def _hadamard_fold(rotation: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     rebuilt = torch.block_diag(*[h] * (D // b)).to(rotation.device) * fold[None, :]
     result = (fold.contiguous(), b) if torch.allclose(rebuilt, rotation.float(), atol=1e-6) else None
-    _fold_cache[key] = result
+    _fold_cache[rotation] = result
     return result
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import make_model
+from kv_checks import same_greedy_run
 from qcache import QuantCache, kernels, native
 from qcache.handover import HeldStates
 
@@ -110,12 +111,7 @@ def test_the_literal_line_decodes_natively(monkeypatch):
                                  do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         outs.append((out.sequences[0, 120:], torch.cat(out.logits).float()))
     (eager_tokens, eager_logits), (tokens, logits) = outs
-    same = int((tokens == eager_tokens).cumprod(0).sum())
-    std = float(eager_logits.std())
-    assert (logits[:same + 1] - eager_logits[:same + 1]).abs().max() <= 0.05 * std
-    if same < len(tokens):
-        top2 = eager_logits[same].topk(2).values
-        assert float(top2[0] - top2[1]) <= 0.05 * std
+    same_greedy_run(tokens, logits, eager_tokens, eager_logits)
     assert len(calls) == 7 * model.config.num_hidden_layers  # 7 decode steps x layers
 
 
@@ -197,3 +193,17 @@ def test_the_roofline_bench_runs(tmp_path):
         assert r["quantized_tokens"] >= 256 and r["bytes_read"] > 0
         assert 0 < r["c_gb_s"] < 100 * result["copy_gb_s"] and r["total_ms"] >= r["c_ms"] * 0.5
     assert "C / copy" in (tmp_path / "r.md").read_text()
+
+
+def test_the_rotation_fold_follows_each_matrix():
+    """The butterfly's signs are read from each rotation matrix itself: two caches with other rotation seeds (one
+    freed before the other is built, so its memory may be reused) each get their own, and a matrix that is not a
+    randomized Hadamard gets none."""
+    from qcache.rotation import hadamard_rotation
+
+    for seed in (0, 1, 2):
+        r = hadamard_rotation(64, seed)
+        fold, block = native._hadamard_fold(r)
+        assert block == 64 and torch.equal(fold, r[0])
+        del r
+    assert native._hadamard_fold(torch.linalg.qr(torch.randn(64, 64))[0]) is None
