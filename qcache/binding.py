@@ -17,7 +17,8 @@ import sys
 import torch
 from torch import nn
 
-__all__ = ["positions_from_kwargs", "attention_module_on_stack", "tensor_parallel_ranks", "check_states"]
+__all__ = ["positions_from_kwargs", "attention_module_on_stack", "tensor_parallel_ranks", "check_states",
+           "module_kv_heads"]
 
 
 def positions_from_kwargs(kwargs: dict) -> torch.Tensor | None:
@@ -67,27 +68,46 @@ def _model_on_stack(depth: int) -> nn.Module | None:
 
 
 def check_states(fingerprint: dict, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-                 num_layers: int, static_keys: bool) -> None:
-    """Raise unless the states of `Cache.update` fit the model a cache was built for (its `model_fingerprint`)."""
-    if key_states.shape[-1] != value_states.shape[-1]:
+                 num_layers: int, static_keys: bool, layer_heads: int | None = None) -> None:
+    """Raise unless the states of `Cache.update` fit the model a cache was built for (its `model_fingerprint`).
+    `layer_heads`: the kv heads this layer computes where they are not the config's (MiMo-V2-Flash's sliding layers
+    have twice `num_key_value_heads`): what the layer already holds, or what its attention module says."""
+    fp = fingerprint
+    head_dim, v_head_dim = fp["head_dim"], fp.get("v_head_dim", fp["head_dim"])
+    if key_states.shape[-1] != value_states.shape[-1] and (key_states.shape[-1], value_states.shape[-1]) != (
+            head_dim, v_head_dim):
         raise ValueError(
             f"layer {layer_idx} hands the cache keys with head_dim {key_states.shape[-1]} and values with head_dim "
-            f"{value_states.shape[-1]}; QuantCache needs one head_dim for both: not supported are keys and values of "
-            "different widths (values wider than keys, as in MiMo-V2-Flash) and multi-head latent attention, whose "
-            "layers cache their latent and rotary part here instead of keys and values (DeepSeek-V3, MiniCPM3)")
-    fp = fingerprint
+            f"{value_states.shape[-1]}, but {fp['model_type']}'s config says keys {head_dim} and values {v_head_dim}: "
+            "its layers cache something other than keys and values here (multi-head latent attention caches its "
+            "latent and rotary part: DeepSeek-V3, MiniCPM3), which QuantCache does not support; supported are keys "
+            "and values of the config's head_dim and v_head_dim")
     if layer_idx >= num_layers:
         raise ValueError(f"layer_idx={layer_idx} but the model this QuantCache was built for has {num_layers} layers; "
                          "use a new QuantCache per model")
-    heads = fp["num_key_value_heads"]
+    heads = layer_heads or fp["num_key_value_heads"]
     if key_states.dim() == 4 and key_states.shape[1] * tensor_parallel_ranks() == heads:
         heads = key_states.shape[1]  # a tensor-parallel rank holds its share of the KV heads
-    if key_states.dim() != 4 or key_states.shape[1] != heads or key_states.shape[-1] != fp["head_dim"]:
+    if (key_states.dim() != 4 or key_states.shape[1] != heads or key_states.shape[-1] != head_dim
+            or value_states.shape[-1] != v_head_dim):
+        widths = f"head_dim {head_dim}" + (f", values {v_head_dim}" if v_head_dim != head_dim else "")
         raise ValueError(
-            f"key_states of shape {tuple(key_states.shape)} at layer {layer_idx}, but this QuantCache was built for "
-            f"[batch, {fp['num_key_value_heads']} kv heads, tokens, head_dim {fp['head_dim']}] ({fp['model_type']}); "
-            "use a new QuantCache per model")
+            f"key_states of shape {tuple(key_states.shape)} and value_states of shape {tuple(value_states.shape)} at "
+            f"layer {layer_idx}, but this QuantCache was built for [batch, {heads} kv heads, tokens, {widths}] "
+            f"({fp['model_type']}); use a new QuantCache per model")
     if key_states.shape[1] != fp["num_key_value_heads"] and static_keys:
         raise ValueError(
             f"static_keys=True holds calibrated key ranges for all {fp['num_key_value_heads']} kv heads, but this "
-            f"process computes {key_states.shape[1]} of them (tensor parallelism); allowed here: static_keys=False")
+            f"layer computes {key_states.shape[1]} of them (tensor parallelism, or a layer type with its own kv "
+            "heads); allowed here: static_keys=False")
+
+
+def module_kv_heads(module: nn.Module | None) -> int | None:
+    """The kv heads an attention module computes, from transformers' `num_key_value_groups` (query heads per kv
+    head) and its config's `num_attention_heads`; None where the module does not say."""
+    groups = getattr(module, "num_key_value_groups", None)
+    config = getattr(module, "config", None)
+    query_heads = getattr(config, "num_attention_heads", None) if config is not None else None
+    if not isinstance(groups, int) or not isinstance(query_heads, int) or groups <= 0 or query_heads % groups:
+        return None
+    return query_heads // groups

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache
 
-from .binding import attention_module_on_stack, check_states
+from .binding import attention_module_on_stack, check_states, module_kv_heads
 from ._compat import binding_context, check_transformers
 from .calibfile import CalibrationData, differences, load_calibration, model_fingerprint
 from .config import QuantCacheConfig
@@ -183,11 +183,21 @@ class QuantCache(Cache):
         if self._fingerprint is None or layer_idx == 0:
             self._check_caller(layer_idx)
         check_states(self._fingerprint, key_states, value_states, layer_idx, len(self.layers),
-                     self.options.static_keys)
+                     self.options.static_keys, self._layer_heads(layer_idx, key_states))
         layer = self.layers[layer_idx]
         if isinstance(layer, QuantLayer) and layer.cfg.rotate == "auto":
             self._choose_key_rotation(layer, key_states)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def _layer_heads(self, layer_idx: int, key_states: torch.Tensor) -> int | None:
+        """The kv heads of layer `layer_idx` where they are not the config's: what the layer holds, else (at its
+        first update, with another count than the config's) what its attention module computes (`module_kv_heads`)."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if isinstance(layer, QuantLayer) and layer.is_initialized:
+            return layer.store.heads
+        if key_states.dim() != 4 or key_states.shape[1] == self._fingerprint["num_key_value_heads"]:
+            return None
+        return module_kv_heads(attention_module_on_stack(layer_idx))
 
     def _choose_key_rotation(self, layer: BlockLayer, key_states: torch.Tensor) -> None:
         """rotate="auto": decide whether `layer` rotates its keys, from the weights of the attention module calling

@@ -236,6 +236,9 @@ def model_fingerprint(text_config) -> dict:
     head_dim = head_dim or text_config.hidden_size // text_config.num_attention_heads
     layer_types = getattr(text_config, "layer_types", None)
     rope = getattr(text_config, "rope_parameters", None)
+    v_head_dim = getattr(text_config, "v_head_dim", None)
+    # values of another width than keys (MiMo-V2-Flash): named only then, so every other fingerprint is unchanged
+    wider = {"v_head_dim": int(v_head_dim)} if v_head_dim and int(v_head_dim) != int(head_dim) else {}
     return {
         "model_type": text_config.model_type,
         "num_hidden_layers": int(text_config.num_hidden_layers),
@@ -245,6 +248,7 @@ def model_fingerprint(text_config) -> dict:
         "layer_types": list(layer_types) if layer_types is not None else None,
         "sliding_window": getattr(text_config, "sliding_window", None),
         "rope_parameters": json.loads(json.dumps(rope, sort_keys=True, default=str)) if rope is not None else None,
+        **wider,
     }
 
 

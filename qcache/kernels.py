@@ -222,7 +222,7 @@ def _forced() -> str | None:
 
 
 def resolve_decode(kernel: str, device: torch.device, k_codec: KeyCodec, v_codec: ValueCodec, head_dim: int,
-                   k_consts: dict) -> tuple[str, str | None]:
+                   k_consts: dict, v_head_dim: int | None = None) -> tuple[str, str | None]:
     """(read, decode) for a block layer configured with `kernel` on `device`: the read path ("eager" or "compiled")
     and what attends from the codes at a decode step ("native": qcache's own kernel for the device, the C kernel of
     qcache/native.py on CPU, the Triton kernels of qcache/triton_decode.py on CUDA; "compiled": the
@@ -239,7 +239,9 @@ def resolve_decode(kernel: str, device: torch.device, k_codec: KeyCodec, v_codec
     if kernel == "compiled":
         return "compiled", "compiled"
     kind = torch.device(device).type
-    if kind == "cpu":
+    if v_head_dim not in (None, head_dim):
+        reason = f"keys of head_dim {head_dim} and values of {v_head_dim} (one width for both)"
+    elif kind == "cpu":
         reason = native.unsupported(k_codec, v_codec, head_dim, 1, k_consts)
     elif kind == "cuda":
         reason = _triton_unsupported(k_codec, v_codec, head_dim)

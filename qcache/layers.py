@@ -154,12 +154,9 @@ class QuantLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # [B, H, T, D]
         self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, D
-        if self.cfg.uses_rotation():
-            if self._rotation is None:
-                self._rotation, self._owns_rotation = SharedRotation(D, self.cfg.rotation_seed), True
-            elif self._rotation.head_dim != D:
-                raise ValueError(f"layer {self.layer_idx}: rotation built for head_dim {self._rotation.head_dim}, "
-                                 f"states have head_dim {D}")
+        self.v_head_dim = value_states.shape[-1]  # values may be wider than keys (MiMo-V2-Flash)
+        if self.cfg.uses_rotation() and self._rotation is None:
+            self._rotation, self._owns_rotation = SharedRotation(D, self.cfg.rotation_seed), True
         self.store = self._build(B, H, D)
         self.window_consts = None if self.window_codecs is None else self._token_consts(self.window_codecs)
         for consts in self.consts.values():
@@ -175,8 +172,8 @@ class QuantLayer(CacheLayerMixin):
         """The constants of residual token codecs: the rotation of a rotated one, the Gaussian levels of the "norm"
         form (which is rotated)."""
         consts = []
-        for codec in codecs:
-            c = {"rotation": self._rotation.on(self.device)} if codec.rotation else {}
+        for codec, width in zip(codecs, (self.head_dim, self.v_head_dim)):
+            c = {"rotation": self._rotation.on(self.device, width)} if codec.rotation else {}
             if codec.norm:
                 c["codebook"] = gaussian_levels_tensor(codec.bits).to(self.device)
             consts.append(c)
@@ -188,10 +185,12 @@ class QuantLayer(CacheLayerMixin):
         self._settle()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[0] != self.store.batch or key_states.shape[-1] != self.head_dim:
+        elif (key_states.shape[0] != self.store.batch or key_states.shape[1] != self.store.heads
+              or key_states.shape[-1] != self.head_dim or value_states.shape[-1] != self.v_head_dim):
             raise ValueError(
-                f"layer {self.layer_idx} holds batch {self.store.batch} x head_dim {self.head_dim} but got key_states "
-                f"of shape {tuple(key_states.shape)}; call reset() before reusing the cache")
+                f"layer {self.layer_idx} holds batch {self.store.batch} x {self.store.heads} heads x head_dim "
+                f"{self.head_dim} (values {self.v_head_dim}) but got key_states of shape {tuple(key_states.shape)} and "
+                f"value_states of shape {tuple(value_states.shape)}; call reset() before reusing the cache")
         B, _, T, _ = key_states.shape
         position_ids = positions_from_kwargs(kwargs)
         if position_ids is None:
@@ -364,20 +363,21 @@ class BlockLayer(QuantLayer):
                            "weights to decide by); pass rotate='v' to say so or rotate='kv'", self.layer_idx)
             self.choose_key_rotation(None)
         cfg = self.cfg
-        self.v_codec = layout.value_codec(cfg, head_dim, calibrated_levels=self.consts["v"]["codebook"] is not None)
+        v_dim = self.v_head_dim
+        self.v_codec = layout.value_codec(cfg, v_dim, calibrated_levels=self.consts["v"]["codebook"] is not None)
         if cfg.v_scale == "norm":
             self.consts["v"]["codebook"] = gaussian_levels_tensor(cfg.v_bits)
         elif cfg.levels == "lloyd-max":
             self.consts["v"]["codebook"] = levels_tensor(cfg.v_bits, self.v_codec.group, cfg.outliers)
         if cfg.rotation != "none":
             for stream in cfg.rotate:  # "k" and/or "v"
-                self.consts[stream]["rotation"] = self._rotation.on(self.device)
+                self.consts[stream]["rotation"] = self._rotation.on(self.device, {"k": head_dim, "v": v_dim}[stream])
         # the read ("eager" or "compiled") and the decode step's attention from the codes (None: attention reads)
         self.kernel, self.decode_kernel = kernels.resolve_decode(cfg.kernel, self.device, self.k_codec, self.v_codec,
-                                                                 head_dim, self.consts["k"])
-        self.window_codecs = layout.window_codecs(cfg, head_dim, False)  # 8-bit tokens, or None: as given
+                                                                 head_dim, self.consts["k"], v_dim)
+        self.window_codecs = layout.window_codecs(cfg, head_dim, False, v_dim)  # 8-bit tokens, or None: as given
         G = self.k_codec.group
-        parts = layout.layer_parts(self.k_codec, self.v_codec, self.window_codecs, head_dim, self.dtype)
+        parts = layout.layer_parts(self.k_codec, self.v_codec, self.window_codecs, head_dim, self.dtype, v_dim)
         # between two flushes the residual holds at most the recent window + one block
         return PackedStore(parts, batch, heads, self.device,
                            min_grow={"token": max(G, 16), "block": 1, "sink": max(self.sink_tokens, 1),
@@ -484,7 +484,7 @@ class BlockLayer(QuantLayer):
                     kernels.compiled("read_values", self._kernel_variant)(sink_v, q, res_v, self.v_codec))
         S, Tq, R = sink_k.shape[2], s.length("token"), res_k.shape[2]
         keys = res_k.new_empty(*res_k.shape[:2], S + Tq + R, res_k.shape[-1])
-        values = res_v.new_empty(*keys.shape)
+        values = res_v.new_empty(*keys.shape[:3], res_v.shape[-1])
         keys[:, :, :S], keys[:, :, S + Tq:] = sink_k, res_k
         values[:, :, :S], values[:, :, S + Tq:] = sink_v, res_v
         _write_planes(keys[:, :, S:S + Tq], kernels.key_planes(q, self.k_codec))
@@ -571,8 +571,9 @@ class TokenWindowLayer(QuantLayer):
                 "ranges; allowed: static_keys=False, or sliding_layers='quantized' below 8 bits or 'native'")
 
     def _build(self, batch: int, heads: int, head_dim: int) -> PackedStore:
-        self.window_codecs = layout.window_codecs(self.cfg, head_dim, True)
-        parts = [part for codec in self.window_codecs for part in codec.parts(head_dim, self.dtype)]
+        self.window_codecs = layout.window_codecs(self.cfg, head_dim, True, self.v_head_dim)
+        parts = [part for codec, width in zip(self.window_codecs, (head_dim, self.v_head_dim))
+                 for part in codec.parts(width, self.dtype)]
         return PackedStore(parts, batch, heads, self.device, min_grow={"residual": self.cfg.k_group_size},
                            bounded={"residual": self.sliding_window})
 

@@ -57,11 +57,13 @@ def value_codec(cfg, head_dim: int, calibrated_levels: bool = False) -> ValueCod
                       rotation=cfg.rotation != "none" and cfg.rotate in ("auto", "kv", "v"), norm=cfg.v_scale == "norm")
 
 
-def token_codecs(cfg, head_dim: int, widths: tuple[int, int]) -> tuple[ValueCodec, ValueCodec]:
-    """Codecs of residual key and value tokens at `widths` (k, v), per token and head, in the form
-    `cfg.token_form` names for each width (the 8-bit window, or a window-only layer's tokens)."""
+def token_codecs(cfg, head_dim: int, widths: tuple[int, int], v_head_dim: int | None = None
+                 ) -> tuple[ValueCodec, ValueCodec]:
+    """Codecs of residual key and value tokens at `widths` (k, v) bits, per token and head, in the form
+    `cfg.token_form` names for each width (the 8-bit window, or a window-only layer's tokens); keys of `head_dim`
+    channels, values of `v_head_dim` (default: the same)."""
     codecs = []
-    for prefix, bits in zip(("wk_", "wv_"), widths):
+    for prefix, bits, head_dim in zip(("wk_", "wv_"), widths, (head_dim, v_head_dim or head_dim)):
         form = cfg.token_form(bits)
         if form == "norm":
             codecs.append(ValueCodec(bits=bits, group=head_dim, scale_dtype=_scale_dtype(cfg), codebook=True,
@@ -73,26 +75,29 @@ def token_codecs(cfg, head_dim: int, widths: tuple[int, int]) -> tuple[ValueCode
     return codecs[0], codecs[1]
 
 
-def window_codecs(cfg, head_dim: int, window_only: bool) -> tuple[ValueCodec, ValueCodec] | None:
+def window_codecs(cfg, head_dim: int, window_only: bool, v_head_dim: int | None = None
+                  ) -> tuple[ValueCodec, ValueCodec] | None:
     """The residual's token codecs (None: the residual is kept as attention gave it)."""
     if window_only:
-        return token_codecs(cfg, head_dim, (cfg.k_bits, cfg.v_bits))
+        return token_codecs(cfg, head_dim, (cfg.k_bits, cfg.v_bits), v_head_dim)
     if cfg.window_bits == 8:
-        keys, values = token_codecs(cfg, head_dim, (8, 8))
+        keys, values = token_codecs(cfg, head_dim, (8, 8), v_head_dim)
         return dataclasses.replace(keys, rotation=cfg.window_keys == "rotated"), values
     return None
 
 
 def layer_parts(k: KeyCodec, v: ValueCodec, window: tuple[ValueCodec, ValueCodec] | None, head_dim: int,
-                dtype: torch.dtype) -> list[Part]:
-    """Every tensor a layer stores: the key and value codecs' parts, the sinks and the residual."""
-    parts = k.parts(head_dim, dtype) + v.parts(head_dim, dtype)
-    parts += [Part(name, "sink", (head_dim,), dtype, "full_precision") for name in ("sink_k", "sink_v")]
+                dtype: torch.dtype, v_head_dim: int | None = None) -> list[Part]:
+    """Every tensor a layer stores: the key and value codecs' parts, the sinks and the residual (keys of `head_dim`
+    channels, values of `v_head_dim`, default the same)."""
+    widths = {"k": head_dim, "v": v_head_dim or head_dim}
+    parts = k.parts(widths["k"], dtype) + v.parts(widths["v"], dtype)
+    parts += [Part(f"sink_{s}", "sink", (widths[s],), dtype, "full_precision") for s in "kv"]
     if window is not None:  # the 8-bit residual, and the tokens held as given until the layer first quantizes
-        parts += [part for codec in window for part in codec.parts(head_dim, dtype)]
-        parts += [Part(name, "early", (head_dim,), dtype, "full_precision") for name in ("early_k", "early_v")]
+        parts += [part for codec, s in zip(window, "kv") for part in codec.parts(widths[s], dtype)]
+        parts += [Part(f"early_{s}", "early", (widths[s],), dtype, "full_precision") for s in "kv"]
     else:
-        parts += [Part(name, "residual", (head_dim,), dtype, "full_precision") for name in ("res_k", "res_v")]
+        parts += [Part(f"res_{s}", "residual", (widths[s],), dtype, "full_precision") for s in "kv"]
     return parts
 
 

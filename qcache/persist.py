@@ -42,6 +42,7 @@ def _layer_meta(layer) -> dict:
             s = layer.store
             meta |= {"cumulative_length": layer.cumulative_length, "dropped": layer.dropped, "batch": s.batch,
                      "heads": s.heads, "head_dim": layer.head_dim, "dtype": str(layer.dtype).removeprefix("torch."),
+                     **({"v_head_dim": layer.v_head_dim} if layer.v_head_dim != layer.head_dim else {}),
                      "lengths": {a: s.length(a) for a in AXES}}
         return meta
     initialized = bool(getattr(layer, "is_initialized", False)) and layer.keys is not None
@@ -166,8 +167,9 @@ def _load_quant_layer(path: Path, i: int, layer: QuantLayer, lm: dict, tensors: 
     if not lm["initialized"]:
         return
     B, H, D = lm["batch"], lm["heads"], lm["head_dim"]
-    empty = torch.empty(B, H, 0, D, dtype=getattr(torch, lm["dtype"]), device=device)
-    layer.lazy_initialization(empty, empty)
+    dtype = getattr(torch, lm["dtype"])
+    empty = torch.empty(B, H, 0, D, dtype=dtype, device=device)
+    layer.lazy_initialization(empty, torch.empty(B, H, 0, lm.get("v_head_dim", D), dtype=dtype, device=device))
     s = layer.store
     for axis in AXES:
         n = lm["lengths"].get(axis, 0)

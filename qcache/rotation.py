@@ -82,19 +82,21 @@ def hadamard_rotation(head_dim: int, seed: int = 0, device: torch.device | str |
 
 
 class SharedRotation:
-    """The rotation matrix of one cache, shared by its layers: built on a device the first time a layer there asks
-    for it (`on`), so a cache holds one [D, D] fp32 matrix per device its layers live on, and nothing else.
-    Raises on construction unless head_dim is a multiple of 8 (`check_rotation_dim`)."""
+    """The rotation matrices of one cache, shared by its layers: built on a device the first time a layer there asks
+    for one (`on`), so a cache holds one [D, D] fp32 matrix per device and width its layers use (keys and values of
+    different widths, as MiMo-V2-Flash's, take one each), and nothing else. Raises on construction unless head_dim
+    is a multiple of 8 (`check_rotation_dim`), and for another width when it is asked for."""
 
     def __init__(self, head_dim: int, seed: int = 0):
         check_rotation_dim(head_dim)
         self.head_dim, self.seed = head_dim, seed
-        self.matrices: dict[str, torch.Tensor] = {}  # str(device) -> [D, D] fp32
+        self.matrices: dict[tuple[str, int], torch.Tensor] = {}  # (str(device), width) -> [D, D] fp32
 
-    def on(self, device: torch.device | str) -> torch.Tensor:
-        key = str(torch.device(device))
+    def on(self, device: torch.device | str, head_dim: int | None = None) -> torch.Tensor:
+        """The matrix for `head_dim` channels (default: the cache's head_dim) on `device`."""
+        key = (str(torch.device(device)), head_dim or self.head_dim)
         if key not in self.matrices:
-            self.matrices[key] = hadamard_rotation(self.head_dim, self.seed, device)
+            self.matrices[key] = hadamard_rotation(key[1], self.seed, device)
         return self.matrices[key]
 
     def nbytes(self) -> int:

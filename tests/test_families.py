@@ -156,3 +156,73 @@ def test_a_left_padded_batch_without_position_ids_matches_dynamic_cache():
     (ref_tokens, ref_logits), (tokens, logits) = runs
     assert torch.equal(tokens, ref_tokens)
     assert (logits - ref_logits).abs().max() <= LOGIT_TOLERANCE * ref_logits.std()
+
+
+# MiMo-V2-Flash: keys 32 wide (a third of them rotary), values 64; its sliding layers compute twice the config's kv
+# heads and attend with learned sinks; a window small enough to slide within the prompt
+MIMO = Family("mimo_v2_flash", "MiMo-V2-Flash", "mimo_v2_flash",
+              dict(SLIDING_THEN_FULL, head_dim=32, v_head_dim=64, sliding_window=24))
+
+
+def _mimo(sinks: float = 3.0):
+    model = build_model(MIMO)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.self_attn.sinks is not None:
+                layer.self_attn.sinks.fill_(sinks)
+    return model
+
+
+@pytest.mark.parametrize("kernel, sliding", [("eager", "native"), ("compiled", "native"), ("eager", "quantized")])
+def test_mimo_v2_flash_values_wider_than_keys_match_dynamic_cache(kernel, sliding):
+    """Keys of head_dim 32 and values of 64 are held each at its own width; at 8 bits the cache gives DynamicCache's
+    40 greedy tokens within the coverage tolerance, its sliding layers (twice the config's kv heads, with sinks)
+    native or quantized."""
+    model = _mimo()
+    config = model.config
+    assert (config.head_dim, config.v_head_dim) == (32, 64)
+    prompt = prompt_for(model)
+    ref_tokens, ref_logits = greedy(model, prompt, DynamicCache(config=config))
+    cache = QuantCache(**CACHE_OPTIONS, kernel=kernel, sliding_layers=sliding)
+    tokens, logits = greedy(model, prompt, cache)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - ref_logits).abs().max() <= LOGIT_TOLERANCE * ref_logits.std()
+    full = cache.layers[1]
+    assert full.quantized_length > 0 and (full.head_dim, full.v_head_dim) == (32, 64)
+    assert {name: full.store.parts[name].shape for name in ("k_codes", "v_codes", "sink_k", "sink_v")} == {
+        "k_codes": (32,), "v_codes": (64,), "sink_k": (32,), "sink_v": (64,)}
+    if sliding == "quantized":
+        assert cache.layers[0].store.heads == 2 * config.num_key_value_heads
+
+
+def test_mimo_v2_flash_default_recipe_rotates_each_width_and_round_trips(tmp_path):
+    """The defaults (rotated values and window keys, norm values) on keys and values of different widths: each
+    stream takes the rotation of its own width; save -> load -> continue equals continue, bit for bit, and a fork
+    continues as the original does."""
+    from test_persist import ids, run
+
+    model = _mimo()
+    cache = QuantCache(model.config, bits=4, k_group_size=16, recent_tokens=4, sink_tokens=2, kernel="eager")
+    with torch.no_grad():
+        model(ids(70, 1), past_key_values=cache, use_cache=True)
+    full = cache.layers[1]
+    assert full.quantized_length > 0
+    assert full.consts["v"]["rotation"].shape == (64, 64)
+    assert full.window_consts[0]["rotation"].shape == (32, 32)
+    assert full.store.parts["wk_codes"].shape == (32,) and full.store.parts["wv_codes"].shape == (64,)
+    path = cache.save(tmp_path / "mimo.safetensors")
+    loaded, forked = QuantCache.load(path, model), cache.fork()
+    more = ids(20, 2)  # crosses a key block flush
+    ref = run(model, cache, more, 70)
+    assert torch.equal(run(model, loaded, more, 70), ref)
+    assert torch.equal(run(model, forked, more, 70), ref)
+
+
+def test_latent_attention_is_refused_naming_what_it_caches():
+    """DeepSeek-V3 hands the cache its latent and rotary part (widths the config does not give keys and values):
+    refused with that reason before anything is stored."""
+    model = build_model(Family("deepseek_v3", "DeepSeek-V3", "deepseek_v3",
+                               dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                    v_head_dim=16, first_k_dense_replace=2)))
+    with pytest.raises(ValueError, match=r"latent and rotary part.*keys and values of the config's head_dim"):
+        greedy(model, prompt_for(model), QuantCache(**CACHE_OPTIONS), steps=2)

@@ -379,3 +379,12 @@ def test_split_token_sliding_layers_are_estimated_per_stream():
     _, sliding = cache_bytes(g, "qcache-2bit", 32768, cfg)
     # keys: 64 one-byte codes + a float16 scale and zero; values: 32 bytes of 4-bit codes + one float16 scale
     assert sliding == pytest.approx(5 * (512 * 2 * ((64 + 4) + (32 + 2)) + 8))
+
+
+def test_values_of_another_width_than_keys_are_refused_by_name():
+    """MiMo-V2-Flash's values (v_head_dim) are wider than its keys: the table, which sizes one width, says so."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("mimo_v2_flash", head_dim=32, v_head_dim=64)
+    with pytest.raises(ValueError, match=r"head_dim 32 and values of v_head_dim 64"):
+        Geometry.from_config(config)

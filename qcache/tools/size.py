@@ -190,6 +190,12 @@ class Geometry:
                     "cannot work out head_dim"
                 )
             head_dim = hidden // heads
+        v_head_dim = getattr(text, "v_head_dim", None)
+        if v_head_dim and v_head_dim != head_dim:
+            raise ValueError(
+                f"config has keys of head_dim {head_dim} and values of v_head_dim {v_head_dim} "
+                f"({getattr(text, 'model_type', '?')}); this table sizes keys and values of one width: measure such a "
+                "model's cache with QuantCache.memory() instead")
         window = getattr(text, "sliding_window", None)
 
         layer_types = getattr(text, "layer_types", None)
