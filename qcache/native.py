@@ -9,8 +9,11 @@ with nothing written back to memory but the partial sums of each chunk of tokens
   butterfly (D log D operations per token instead of the D x D product of `x @ R.T`), RoPE re-applied by angle
   addition, scored against the G query rows of their kv head;
 - values: unpacked and weighted into a per-chunk online softmax (running max, sum, weighted sum in rotated space);
-- the chunks, the full-precision sinks and window, and the values' un-rotation (once, on the [B, H, G, D] output)
-  are combined here with a few small torch operations.
+- the full-precision tokens (the sinks; with `window_bits=16` the residual too) as they are, and the 8-bit residual
+  window from its codes (`Window`): its keys scored against the query turned into their space once (q R for rotated
+  window keys, so no key is un-rotated), its values weighted from their codes, into one more online softmax;
+- a second pass in the same call merges each query row's partials and un-rotates the region's values once (a
+  butterfly on the [D] output row), so torch only prepares the pointers: no dequantized window, no merge in torch.
 
 The C source is compiled once per machine with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
 -fopenmp` into `$QCACHE_HOME/kernels` (default ~/.cache/qcache/kernels), written atomically, and loaded with ctypes.
@@ -31,13 +34,14 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .codec import KeyCodec, ValueCodec
 
-__all__ = ["available", "unsupported", "decode_attention", "library_path"]
+__all__ = ["available", "unsupported", "window_unsupported", "decode_attention", "library_path", "Window"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast"]
@@ -98,9 +102,7 @@ def _load() -> ctypes.CDLL:
                     _build(path)
                 lib = ctypes.CDLL(str(path))
                 fn = lib.qcache_decode_attention
-                i, i64, f, p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-                fn.argtypes = ([i] * 13 + [f] + [p, i64, i64, i64] + [p] * 7 + [p, i64, i64, i64] + [p] * 3
-                               + [p, p, i64] + [p] * 3)
+                fn.argtypes = [ctypes.POINTER(_Args)]
                 fn.restype = ctypes.c_int
                 _lib = lib
             except Exception as err:  # noqa: BLE001 - any failure to build or load means: not here
@@ -158,85 +160,176 @@ def unsupported(k_codec: KeyCodec, v_codec: ValueCodec, head_dim: int, groups: i
     return None
 
 
-def _levels(codec, consts: dict, qmax_units: bool, uniform_none: bool = False) -> torch.Tensor | None:
-    """The level of each code (in units of a step with `qmax_units`, as `quant.dequantize` reads a codebook);
-    uniform levels are the codes themselves: None with `uniform_none` (the kernel then converts the code)."""
+class Window(NamedTuple):
+    """The 8-bit residual window as the kernel reads it: {part name: view [B, H, R, ...]} of its keys and values,
+    their token codecs (`layout.window_codecs`) and the codecs' constants (the keys' rotation)."""
+
+    k: dict
+    v: dict
+    k_codec: ValueCodec
+    v_codec: ValueCodec
+    k_consts: dict
+    v_consts: dict
+
+
+def window_unsupported(codecs: tuple[ValueCodec, ValueCodec] | None, consts: tuple[dict, dict] | None) -> str | None:
+    """None when the kernel reads a residual window of these token codecs from its codes (8-bit min-max per token and
+    head, keys rotated by the randomized Hadamard or not, values unrotated); else why not (the caller then hands it
+    over dequantized, as full-precision tokens)."""
+    if codecs is None:
+        return "a residual kept as given"
+    for codec in codecs:
+        if codec.bits != 8 or codec.norm or codec.codebook or codec.outliers:
+            return f"window tokens coded as {codec} (the kernel reads 8-bit min-max tokens)"
+    if codecs[1].rotation:
+        return "rotated window values"
+    if codecs[0].rotation and _hadamard_fold(consts[0]["rotation"]) is None:
+        return "a window key rotation that is not the randomized Hadamard of qcache/rotation.py"
+    return None
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [("p", ctypes.c_void_p), ("sb", ctypes.c_int64), ("sh", ctypes.c_int64), ("st", ctypes.c_int64),
+                ("dtype", ctypes.c_int64)]
+
+
+_T, _I, _P = _Tensor, ctypes.c_int64, ctypes.c_void_p
+
+
+class _Args(ctypes.Structure):  # qc_args of decode.c, field for field
+    _fields_ = ([(n, _I) for n in ("B", "H", "G", "D", "T", "S", "group", "kbits", "vbits", "vgroup", "rh", "chunk",
+                                   "threads")]
+                + [("scaling", ctypes.c_double), ("kcodes", _T), ("kscale", _T), ("kzero", _T), ("klev", _P),
+                   ("kfold", _P), ("krot", _I), ("bcos", _T), ("bsin", _T), ("ocos", _P), ("osin", _P),
+                   ("vcodes", _T), ("vscale", _T), ("vzero", _T), ("vlev", _P), ("vfold", _P), ("vrot", _I),
+                   ("fk", _T), ("fv", _T), ("nf", _I), ("wkc", _T), ("wks", _T), ("wkz", _T), ("wvc", _T),
+                   ("wvs", _T), ("wvz", _T), ("nw", _I), ("wkfold", _P), ("wkrot", _I), ("query", _P), ("bias", _T),
+                   ("out", _P)])
+
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3, torch.bool: 3}
+
+
+def _tensor(t: torch.Tensor | None, batch: int | None = None) -> _Tensor:
+    """A [B, H, n, ...] tensor (or [B, n, ...] with `batch`: its batch size, a broadcast batch of 1 read with stride
+    0) for the kernel: pointer, strides of batch row, head and token, dtype. Its last dimension must be contiguous."""
+    if t is None:
+        return _Tensor()
+    if t.dtype not in _DTYPES:
+        t = t.float()
+    if t.dim() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} with last stride {t.stride(-1)}; the kernel reads rows")
+    st = t.stride()
+    if batch is not None:
+        return _Tensor(t.data_ptr(), 0 if t.shape[0] == 1 else st[0], 0, st[1] if t.dim() > 1 else 0, _DTYPES[t.dtype])
+    return _Tensor(t.data_ptr(), st[0], st[1], st[2], _DTYPES[t.dtype])
+
+
+_levels_cache = WeakTensorKeyDictionary()  # codebook -> its levels as the kernel reads them
+_transposed = WeakTensorKeyDictionary()  # RoPE offset table [group, h] -> [h, group]
+
+
+def _levels(codec, consts: dict, qmax_units: bool) -> torch.Tensor | None:
+    """The level of each code (in units of a step with `qmax_units`, as `quant.dequantize` reads a codebook), fp32;
+    None for uniform levels (the kernel converts the code itself). Kept per live codebook tensor."""
     if not codec.codebook:
-        return None if uniform_none else torch.arange(2**codec.bits, dtype=torch.float32)
-    cb = consts["codebook"].float().cpu()
-    return (cb * (cb.numel() - 1) if qmax_units else cb).contiguous()
+        return None
+    cb = consts["codebook"]
+    found = _levels_cache.get(cb)
+    if found is None:
+        found = _levels_cache[cb] = {}
+    if qmax_units not in found:
+        cb32 = cb.float().cpu()
+        found[qmax_units] = (cb32 * (cb32.numel() - 1) if qmax_units else cb32).contiguous()
+    return found[qmax_units]
+
+
+def _offsets_t(t: torch.Tensor) -> torch.Tensor:
+    found = _transposed.get(t)
+    if found is None:
+        found = _transposed[t] = t.float().t().contiguous()
+    return found
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _fold(codec, consts: dict) -> tuple[torch.Tensor | None, int]:
+    if not codec.rotation:
+        return None, 0
+    return _hadamard_fold(consts["rotation"])
+
+
 def decode_attention(query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor, bias: torch.Tensor | None, q,
-                     n_sink: int, scaling: float, k_codec: KeyCodec, v_codec: ValueCodec) -> torch.Tensor:
-    """`qcache.kernels.decode_attention` (same arguments, same result) computed by the C kernel on CPU tensors."""
+                     n_sink: int, scaling: float, k_codec: KeyCodec, v_codec: ValueCodec,
+                     window: Window | None = None) -> torch.Tensor:
+    """`qcache.kernels.decode_attention` (same arguments, same result) computed by the C kernel on CPU tensors, in
+    one call.
+
+    fp_k / fp_v: the full-precision tokens [sinks | residual] [B, H, S + R, D] in the cache dtype; or, with
+    `window` (the residual's 8-bit codes, read by the kernel: `window_unsupported` says which it reads), the sinks
+    [B, H, S, D] alone. bias: None, additive [B or 1, 1, 1, T_held] (fp32 or another float dtype) or a bool mask of
+    that shape (True = attend, as `BlockLayer.decode_attention` takes it; masked tokens get the fp32 minimum, as the
+    reference's additive mask)."""
     B, H, G, D = query.shape
     reason = unsupported(k_codec, v_codec, D, G, q.k_consts)
+    if reason is None and v_codec.rotation and _hadamard_fold(q.v_consts["rotation"]) is None:
+        reason = "a value rotation that is not the randomized Hadamard of qcache/rotation.py"
+    if reason is None and window is not None:
+        reason = window_unsupported((window.k_codec, window.v_codec), (window.k_consts, window.v_consts))
     if reason is not None:
         raise ValueError(f"kernel='native' cannot read this layer's codes ({reason}); allowed there: kernel='compiled' "
                          "or kernel='eager'")
     if query.device.type != "cpu":
         raise ValueError(f"kernel='native' runs on CPU tensors; got {query.device}")
     lib = _load()
+    a = _Args()
     kc = q.k[k_codec.prefix + "codes"]
     T = kc.shape[2]
-    S = n_sink
-    scale, zero = q.k[k_codec.prefix + "scale"].float(), q.k[k_codec.prefix + "zero"].float()  # [B, H, nb, D]
-    rot_block = 0
-    if k_codec.rotation:
-        fold, rot_block = _hadamard_fold(q.k_consts["rotation"])
-        scale, zero = scale * fold, zero * fold
-    scale, zero = scale.contiguous(), zero.contiguous()
-    klev = _levels(k_codec, q.k_consts, True, uniform_none=True)
-    bcos = bsin = ocos = osin = None
-    rh = 0
+    a.B, a.H, a.G, a.D, a.T, a.S = B, H, G, D, T, n_sink
+    a.group, a.kbits, a.vbits, a.vgroup = k_codec.group, k_codec.bits, v_codec.bits, v_codec.group
+    a.chunk, a.threads, a.scaling = _CHUNK, torch.get_num_threads(), float(scaling)
+    a.kcodes, a.kscale, a.kzero = _tensor(kc), _tensor(q.k[k_codec.prefix + "scale"]), _tensor(q.k[k_codec.prefix + "zero"])
+    klev = _levels(k_codec, q.k_consts, True)
+    kfold, a.krot = _fold(k_codec, q.k_consts)
+    a.klev, a.kfold = _ptr(klev), _ptr(kfold)
+    ocos = osin = None
     if q.rope is not None:
         block_cos, block_sin, off_cos, off_sin = q.rope
-        rh = block_cos.shape[-1]
+        a.rh = block_cos.shape[-1]
         if off_cos.shape[0] != k_codec.group:
             raise ValueError(f"RoPE offset table of {off_cos.shape[0]} rows for key blocks of {k_codec.group} tokens")
-        bcos, bsin = block_cos.float().contiguous(), block_sin.float().contiguous()
-        if bcos.shape[0] != B:
-            bcos, bsin = bcos.expand(B, -1, -1).contiguous(), bsin.expand(B, -1, -1).contiguous()
-        ocos, osin = off_cos.float().t().contiguous(), off_sin.float().t().contiguous()
-    vc = q.v[v_codec.prefix + "codes"]
-    vscale = q.v[v_codec.prefix + "scale"].float().contiguous()  # [B, H, T, groups]
-    vzero = None if v_codec.norm else q.v[v_codec.prefix + "zero"].float().contiguous()
+        a.bcos, a.bsin = _tensor(block_cos.float(), batch=B), _tensor(block_sin.float(), batch=B)
+        ocos, osin = _offsets_t(off_cos), _offsets_t(off_sin)
+        a.ocos, a.osin = ocos.data_ptr(), osin.data_ptr()
+    a.vcodes, a.vscale = _tensor(q.v[v_codec.prefix + "codes"]), _tensor(q.v[v_codec.prefix + "scale"])
+    a.vzero = _tensor(None if v_codec.norm else q.v[v_codec.prefix + "zero"])
     vlev = _levels(v_codec, q.v_consts, not v_codec.norm)
+    vfold, a.vrot = _fold(v_codec, q.v_consts)
+    a.vlev, a.vfold = _ptr(vlev), _ptr(vfold)
+    a.fk, a.fv, a.nf = _tensor(fp_k), _tensor(fp_v), fp_k.shape[2]
+    wkfold = None
+    if window is not None:
+        ck, cv = window.k_codec, window.v_codec
+        a.wkc, a.wks, a.wkz = (_tensor(window.k[ck.prefix + n]) for n in ("codes", "scale", "zero"))
+        a.wvc, a.wvs, a.wvz = (_tensor(window.v[cv.prefix + n]) for n in ("codes", "scale", "zero"))
+        a.nw = window.k[ck.prefix + "codes"].shape[2]
+        wkfold, a.wkrot = _fold(ck, window.k_consts)
+        a.wkfold = _ptr(wkfold)
     qry = query.float().contiguous()
-    region_bias = None
+    a.query = qry.data_ptr()
     if bias is not None:
-        region_bias = bias.reshape(bias.shape[0], bias.shape[-1])[:, S:S + T].float().expand(B, T).contiguous()
-    NC = -(-T // _CHUNK)
-    out_m = torch.empty(B, H, NC, G)
-    out_l = torch.empty(B, H, NC, G)
-    out_acc = torch.empty(B, H, NC, G, D)
-    for name, t in (("key codes", kc), ("value codes", vc)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} with last stride {t.stride(-1)}; the kernel reads rows of bytes")
-    rc = lib.qcache_decode_attention(
-        B, H, G, D, T, k_codec.group, k_codec.bits, v_codec.bits, v_codec.group, rot_block, rh, _CHUNK,
-        torch.get_num_threads(), float(scaling),
-        kc.data_ptr(), kc.stride(0), kc.stride(1), kc.stride(2), scale.data_ptr(), zero.data_ptr(), _ptr(klev),
-        _ptr(bcos), _ptr(bsin), _ptr(ocos), _ptr(osin),
-        vc.data_ptr(), vc.stride(0), vc.stride(1), vc.stride(2), vscale.data_ptr(), _ptr(vzero), vlev.data_ptr(),
-        qry.data_ptr(), _ptr(region_bias), T, out_m.data_ptr(), out_l.data_ptr(), out_acc.data_ptr())
+        bias = bias.reshape(bias.shape[0], bias.shape[-1])
+        if bias.dtype != torch.bool and bias.dtype != torch.float32:
+            bias = bias.float()
+        if bias.shape[-1] != T + a.nf + a.nw or bias.shape[0] not in (1, B):
+            raise ValueError(f"a mask of shape {tuple(bias.shape)} for {B} rows of {T + a.nf + a.nw} tokens")
+        bias = bias if bias.stride(-1) == 1 else bias.contiguous()
+        a.bias = _tensor(bias, batch=B)
+    out = torch.empty(B, H, G, D)
+    a.out = out.data_ptr()
+    rc = lib.qcache_decode_attention(ctypes.byref(a))
     if rc:
         raise ValueError(f"qcache's C decode kernel refused its arguments (code {rc}): T={T}, block {k_codec.group}")
-    # combine the chunks with the full-precision tokens [sinks | window]
-    s_fp = (qry @ fp_k.float().transpose(-1, -2)) * scaling  # [B, H, G, S + R]
-    if bias is not None:
-        b = bias.reshape(bias.shape[0], bias.shape[-1]).float()
-        s_fp = s_fp + torch.cat([b[:, :S], b[:, S + T:]], dim=-1)[:, None, None, :]
-    m_c = out_m.transpose(2, 3)  # [B, H, G, NC]
-    top = torch.maximum(s_fp.amax(-1, keepdim=True), m_c.amax(-1, keepdim=True))  # [B, H, G, 1]
-    p_fp = torch.exp(s_fp - top)
-    w = torch.exp(m_c - top)  # [B, H, G, NC]
-    denom = p_fp.sum(-1, keepdim=True) + (w * out_l.transpose(2, 3)).sum(-1, keepdim=True)
-    region = torch.einsum("bhgc,bhcgd->bhgd", w, out_acc)
-    num = v_codec.unrotate(region, q.v_consts) + p_fp @ fp_v.float()
-    return num / denom
+    return out
