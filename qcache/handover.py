@@ -3,7 +3,8 @@
 At a decode step (one new token) a `BlockLayer` whose kernel is "compiled" does not dequantize its cache. It returns
 a pair of `HeldStates`: tensors of the full shape attention expects ([B, H, T_held, D], the cache dtype) that hold
 no elements of their own. Both point at one `DecodeStep`, the explicit handover: the layer, and the full-precision
-tokens [sinks | residual] it holds.
+tokens [sinks | residual] it holds (with qcache's C kernel and an 8-bit window: the sinks, and the window as its
+codes, which the kernel reads as they are, so no dequantized copy of the window is built at a decode step).
 
 What attention does with them decides the cost, never the result:
 - `torch.nn.functional.scaled_dot_product_attention` with one query token per head (stock "sdpa" attention; GQA
@@ -44,15 +45,38 @@ class DecodeStep:
 
     Args:
         layer: the `BlockLayer` holding the codes (it attends with `decode_attention`, reads with `read`).
-        fp_k / fp_v: the full-precision tokens [sinks | residual] [B, H, S + R, D], in the cache dtype.
+        fp_k / fp_v: the full-precision tokens attention reads besides the codes, in the cache dtype: [sinks |
+            residual] [B, H, S + R, D]; or, with `window`, the sinks [B, H, S, D] alone.
         held: tokens the layer holds (sinks + quantized + residual).
+        window: the 8-bit residual window as the layer's kernel reads it from its codes (`native.Window`), or None.
     """
 
-    def __init__(self, layer, fp_k: torch.Tensor, fp_v: torch.Tensor, held: int):
-        self.layer, self.fp_k, self.fp_v, self.held = layer, fp_k, fp_v, held
+    def __init__(self, layer, fp_k: torch.Tensor, fp_v: torch.Tensor, held: int, window=None):
+        self.layer, self.held, self.window = layer, held, window
+        self._fp = (fp_k, fp_v)
+        self._full = None if window is not None else self._fp
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
         self.live = True  # False once the layer changed: then only the keys/values read before that remain
         self.fused = 0  # attention calls served from the codes (for tests and benchmarks)
+
+    @property
+    def fp_k(self) -> torch.Tensor:
+        """[sinks | residual] keys [B, H, S + R, D] in the cache dtype (with a `window`: read from the layer on first
+        use, dequantized as `read()` gives them)."""
+        return self.full_precision()[0]
+
+    @property
+    def fp_v(self) -> torch.Tensor:
+        return self.full_precision()[1]
+
+    def full_precision(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._full is None:
+            if not self.live:
+                raise RuntimeError(f"layer {self.layer.layer_idx}: this decode step's window was asked for after the "
+                                   "layer took more tokens; use dense()")
+            res_k, res_v = self.layer._window()
+            self._full = tuple(torch.cat([fp, res], dim=2) for fp, res in zip(self._fp, (res_k, res_v)))
+        return self._full
 
     def settle(self) -> None:
         """Called by the layer before it changes (a new update, a crop, a batch operation, a reset) while this step
@@ -77,7 +101,7 @@ class DecodeStep:
             raise RuntimeError(f"layer {self.layer.layer_idx}: this decode step's states were attended after the layer "
                                "took more tokens; use dense()")
         self.fused += 1
-        return self.layer.decode_attention(query, mask, scaling, (self.fp_k, self.fp_v))
+        return self.layer.decode_attention(query, mask, scaling, self._fp, self.window)
 
 
 class HeldStates(torch.Tensor):
@@ -89,7 +113,7 @@ class HeldStates(torch.Tensor):
 
     @staticmethod
     def __new__(cls, step: DecodeStep, index: int):
-        like = step.fp_k if index == 0 else step.fp_v
+        like = step._fp[index]  # (the sinks with a window: shape and dtype only)
         B, H, _, D = like.shape
         out = torch.Tensor._make_wrapper_subclass(cls, (B, H, step.held, D), dtype=like.dtype, device=like.device)
         out.step, out.index = step, index

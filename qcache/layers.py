@@ -398,9 +398,18 @@ class BlockLayer(QuantLayer):
         self._append_window(key_states[:, :, n_sink:], value_states[:, :, n_sink:])
         self._flush()
         if T == 1 and self.decode_kernel is not None and not self.is_sliding and s.length("token") > 0:
-            res_k, res_v = self._window()
-            fp_k, fp_v = torch.cat([s.view("sink_k"), res_k], dim=2), torch.cat([s.view("sink_v"), res_v], dim=2)
-            step = DecodeStep(self, fp_k, fp_v, self.stored_length())
+            if (self.decode_kernel == "native" and self.device.type == "cpu" and not s.length("early")
+                    and native.window_unsupported(self.window_codecs, self.window_consts) is None):
+                # the C kernel reads the 8-bit window from its codes: only the sinks are handed over as tensors
+                (ck, cv), (kc, vc) = self.window_codecs, self.window_consts
+                views = s.views("residual")
+                window = native.Window({n: t for n, t in views.items() if n.startswith(ck.prefix)},
+                                       {n: t for n, t in views.items() if n.startswith(cv.prefix)}, ck, cv, kc, vc)
+                step = DecodeStep(self, s.view("sink_k"), s.view("sink_v"), self.stored_length(), window)
+            else:
+                res_k, res_v = self._window()
+                fp_k, fp_v = torch.cat([s.view("sink_k"), res_k], dim=2), torch.cat([s.view("sink_v"), res_v], dim=2)
+                step = DecodeStep(self, fp_k, fp_v, self.stored_length())
             self._handed = weakref.ref(step)
             return step.states()
         keys, values = self._held()
@@ -492,33 +501,42 @@ class BlockLayer(QuantLayer):
         return keys, values
 
     def decode_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
-                         fp_states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                         fp_states: tuple[torch.Tensor, torch.Tensor], window=None) -> torch.Tensor:
         """fp32 attention of the query rows [B, H, G, D] of each kv head over everything held, from the codes
         (`kernels.decode_attention`); attention_mask: None, bool (True = attend) or additive, [B or 1, 1, 1,
-        T_held]; fp_states: the [sinks | residual] keys and values of this step. Returns [B, H, G, D] fp32."""
+        T_held]; fp_states: the [sinks | residual] keys and values of this step, or with `window` (the residual's
+        codes, `native.Window`, read by the C kernel) the sinks alone. Returns [B, H, G, D] fp32."""
         s = self.store
         S, Tq, R = s.length("sink"), s.length("token"), s.length("residual")
+        if attention_mask is not None and (attention_mask.shape[-1] != S + Tq + R
+                                           or attention_mask.shape[1:3] != (1, 1)):
+            raise ValueError(
+                f"layer {self.layer_idx}: attention mask of shape {tuple(attention_mask.shape)} for "
+                f"{S + Tq + R} cached tokens; fused decode attention needs [B, 1, 1, {S + Tq + R}]")
+        fp_k, fp_v = fp_states
+        if fp_k.shape[2] != S + (0 if window is not None else R):
+            raise ValueError(f"layer {self.layer_idx}: got {fp_k.shape[2]} full-precision tokens, the layer holds "
+                             f"{S + R}: pass the DecodeStep of this step")
+        D = query.shape[-1]
+        scaling = D**-0.5 if scaling is None else scaling
+        native_cpu = self.decode_kernel == "native" and query.device.type == "cpu"
+        if window is not None and not native_cpu:
+            raise ValueError(f"layer {self.layer_idx}: a window of codes is read by the C kernel only")
+        if native_cpu:  # the C kernel takes the mask as it is (bool or additive, batch 1 broadcast)
+            return native.decode_attention(self._key_order(query.float()), fp_k, fp_v, attention_mask,
+                                           self._quantized(), S, scaling, self.k_codec, self.v_codec, window)
         bias = None
         if attention_mask is not None:
-            if attention_mask.shape[-1] != S + Tq + R or attention_mask.shape[1:3] != (1, 1):
-                raise ValueError(
-                    f"layer {self.layer_idx}: attention mask of shape {tuple(attention_mask.shape)} for "
-                    f"{S + Tq + R} cached tokens; fused decode attention needs [B, 1, 1, {S + Tq + R}]")
             bias = attention_mask.float()
             if attention_mask.dtype == torch.bool:
                 bias = torch.zeros_like(bias).masked_fill_(~attention_mask, torch.finfo(torch.float32).min)
             bias = bias.expand(query.shape[0], 1, 1, S + Tq + R)
-        fp_k, fp_v = fp_states
-        if fp_k.shape[2] != S + R:
-            raise ValueError(f"layer {self.layer_idx}: got {fp_k.shape[2]} full-precision tokens, the layer holds "
-                             f"{S + R}: pass the DecodeStep of this step")
-        D = query.shape[-1]
         if self.decode_kernel == "native":
-            fn = native.decode_attention if query.device.type == "cpu" else triton_decode.decode_attention
+            fn = triton_decode.decode_attention
         else:
             fn = kernels.compiled("decode_attention", self._kernel_variant)
-        return fn(self._key_order(query.float()), fp_k, fp_v, bias, self._quantized(), S,
-                  D**-0.5 if scaling is None else scaling, self.k_codec, self.v_codec)
+        return fn(self._key_order(query.float()), fp_k, fp_v, bias, self._quantized(), S, scaling, self.k_codec,
+                  self.v_codec)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a negative int, as for `DynamicLayer`).

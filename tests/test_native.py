@@ -32,14 +32,14 @@ def _config(geometry):
     return {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind](head_dim=D, **common)
 
 
-def _layer(geometry="tiny", n=150, batch=2, seed=0, **options):
+def _layer(geometry="tiny", n=150, batch=2, seed=0, dtype=torch.bfloat16, **options):
     """Layer 0 of a cache fed `n` random tokens in one prefill: [sinks | quantized blocks | 8-bit window]."""
     config = _config(geometry)
     cache = QuantCache(config, kernel="eager", **{**SMALL, **options})
     g = torch.Generator().manual_seed(seed)
     H = config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    k, v = (torch.randn(batch, H, n, D, generator=g).to(torch.bfloat16) * 2 for _ in range(2))
+    k, v = (torch.randn(batch, H, n, D, generator=g).to(dtype) * 2 for _ in range(2))
     k[..., 3] += 12  # an outlier key channel
     cache.update(k, v, 0, kwargs={"position_ids": torch.arange(n)[None].expand(batch, n)})
     return cache.layers[0]
@@ -61,6 +61,109 @@ def _both(layer, groups=3, mask=True, seed=1):
     q = layer._quantized()
     args = (query, fp_k, fp_v, bias, q, S, D**-0.5, layer.k_codec, layer.v_codec)
     return native.decode_attention(*args), kernels.decode_attention(*args)
+
+
+def _window_args(layer, groups=3, mask="additive", seed=1):
+    """(native arguments with the window read from its codes, reference arguments with the window dequantized in
+    fp32) of one decode query over everything the layer holds."""
+    s = layer.store
+    S = s.length("sink")
+    (ck, cv), (kc, vc) = layer.window_codecs, layer.window_consts
+    views = s.views("residual")
+    window = native.Window({n: t for n, t in views.items() if n.startswith(ck.prefix)},
+                           {n: t for n, t in views.items() if n.startswith(cv.prefix)}, ck, cv, kc, vc)
+    # the reference's window: the same codes decoded in fp32 (not rounded to the cache dtype, as `_window` does)
+    res_k, res_v = (torch.cat(c.planes(part, consts), dim=-1) for c, part, consts in
+                    ((ck, window.k, kc), (cv, window.v, vc)))
+    sink_k, sink_v = s.view("sink_k"), s.view("sink_v")
+    B, H, R, D = res_k.shape
+    T = S + s.length("token") + R
+    query = torch.randn(B, H, groups, D, generator=torch.Generator().manual_seed(seed))
+    bias = None
+    if mask is not None:  # row B-1 is left-padded: it does not see its first 21 tokens (two sinks included)
+        seen = torch.ones(B, 1, 1, T, dtype=torch.bool)
+        seen[-1, ..., :21] = False
+        bias = torch.zeros(B, 1, 1, T).masked_fill_(~seen, torch.finfo(torch.float32).min)
+        mask = seen if mask == "bool" else bias
+    q = layer._quantized()
+    fp_k, fp_v = torch.cat([sink_k.float(), res_k], 2), torch.cat([sink_v.float(), res_v], 2)
+    common = (q, S, D**-0.5, layer.k_codec, layer.v_codec)
+    return (query, sink_k, sink_v, mask, *common, window), (query, fp_k, fp_v, bias, *common)
+
+
+@pytest.mark.parametrize("window_keys", ["rotated", "minmax"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "fp32", "fp16"])
+@pytest.mark.parametrize("geometry", ["tiny", ("llama", 64, 9, 3), ("qwen2", 128, 12, 2)],
+                         ids=["tiny", "smollm2-like", "qwen2.5-like"])
+def test_the_window_is_read_from_its_codes(window_keys, dtype, geometry):
+    """The 8-bit residual window attended from its codes (no dequantized copy) equals the reference over the same
+    codes decoded in fp32: rotated and min-max window keys, sinks, two rows (one left-padded), GQA, head_dim 32, 64
+    and 128, bf16, fp32 and fp16 caches; windows of 20 tokens (a partial tile) and of 8."""
+    config = _config(geometry)
+    G = config.num_attention_heads // config.num_key_value_heads
+    for n in (150, 138):
+        layer = _layer(geometry, n=n, dtype=dtype, window_keys=window_keys, rotate="kv")
+        assert native.window_unsupported(layer.window_codecs, layer.window_consts) is None
+        assert layer.store.length("residual") == {150: 20, 138: 8}[n] and layer.store.length("sink") == 2
+        assert layer.window_codecs[0].rotation == (window_keys == "rotated")
+        args, ref_args = _window_args(layer, groups=G)
+        torch.testing.assert_close(native.decode_attention(*args), kernels.decode_attention(*ref_args),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{"bits": 4}, {"bits": 2, "rotate": "v", "v_scale": "minmax"},
+                                     {"bits": 3, "scale_dtype": "bfloat16"}, {"bits": 4, "scale_dtype": "float32"},
+                                     {"bits": 4, "rotation": "none", "rotate": "kv", "v_scale": "minmax"}],
+                         ids=["defaults", "minmax-values", "bf16-scales", "fp32-scales", "no-region-rotation"])
+@pytest.mark.parametrize("mask", [None, "additive", "bool"])
+def test_the_window_from_its_codes_with_every_region_codec(options, mask):
+    """The window read from its codes beside every region codec, scale dtype and mask form (none, additive, bool:
+    the layer hands the C kernel the mask as attention gave it)."""
+    layer = _layer(**options)
+    args, ref_args = _window_args(layer, mask=mask)
+    torch.testing.assert_close(native.decode_attention(*args), kernels.decode_attention(*ref_args),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_one_mask_is_broadcast():
+    layer = _layer(bits=4)
+    args, ref_args = _window_args(layer, mask="bool")
+    args = list(args)
+    args[3] = args[3][:1]  # every row sees every token: one mask row for both
+    ref_args = list(ref_args)
+    ref_args[3] = torch.zeros_like(ref_args[3])
+    torch.testing.assert_close(native.decode_attention(*args), kernels.decode_attention(*ref_args),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window_bits", [8, 16])
+def test_a_native_decode_step_hands_over_the_window_as_codes(window_bits):
+    """At a decode step a native layer with an 8-bit window hands over its sinks and the window's codes (no
+    dequantized window); with window_bits=16 the residual as given. Either way attention over the step equals fp32
+    attention over what `read()` gives (the window rounded to bf16 there), and `fp_k` still shows [sinks | window]."""
+    from qcache.attention import fp32_sdpa_attention_forward
+
+    config = make_model("llama").config
+    cache = QuantCache(config, bits=4, kernel="native", window_bits=window_bits, **SMALL)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    for n, pos in ((70, 0), (1, 70)):
+        k, v = (torch.randn(2, 2, n, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+        keys, values = cache.update(k, v, 0, kwargs={"position_ids": torch.arange(pos, pos + n)[None].expand(2, n)})
+    step = keys.step
+    S, R = layer.store.length("sink"), layer.store.length("residual")
+    assert (step.window is not None) == (window_bits == 8) and step._fp[0].shape[2] == S + (0 if step.window else R)
+    assert keys.shape == (2, 2, 71, 32) and keys.dtype == torch.bfloat16
+    query = torch.randn(2, 4, 1, 32, generator=g).to(torch.bfloat16)
+    mask = torch.ones(2, 1, 1, 71, dtype=torch.bool)
+    mask[1, ..., :5] = False
+    module = torch.nn.Module()
+    out, _ = fp32_sdpa_attention_forward(module, query, keys, values, mask, scaling=0.2)
+    assert step.fused == 1
+    assert step.fp_k.shape[2] == S + R and step.fp_v.dtype == torch.bfloat16
+    full_k, full_v = layer.read()
+    ref, _ = fp32_sdpa_attention_forward(module, query, full_k, full_v, mask, scaling=0.2)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2e-3)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -96,12 +199,13 @@ def test_the_mask_is_applied():
 
 def test_the_literal_line_decodes_natively(monkeypatch):
     """`generate(..., past_key_values=QuantCache(bits=4))` with stock sdpa and no other opt-in: every decode step of
-    every layer attends through the C kernel, and the tokens and logits are the eager read's (bf16 attention over
-    the read there: a near tie may part, as in tests/test_kernels.py)."""
+    every layer attends through the C kernel (the 8-bit window read from its codes), and the tokens and logits are the
+    eager read's (bf16 attention over the read there: a near tie may part, as in tests/test_kernels.py)."""
     monkeypatch.delenv("QCACHE_KERNEL", raising=False)
     calls = []
     real = native.decode_attention
-    monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    # (each call records whether the window came as its codes: the default 8-bit window does)
+    monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(a[9] is not None) or real(*a))
     model = make_model("llama", dtype=torch.bfloat16)
     ids = torch.randint(2, 96, (1, 120), generator=torch.Generator().manual_seed(3))
     outs = []
@@ -112,7 +216,7 @@ def test_the_literal_line_decodes_natively(monkeypatch):
         outs.append((out.sequences[0, 120:], torch.cat(out.logits).float()))
     (eager_tokens, eager_logits), (tokens, logits) = outs
     same_greedy_run(tokens, logits, eager_tokens, eager_logits)
-    assert len(calls) == 7 * model.config.num_hidden_layers  # 7 decode steps x layers
+    assert len(calls) == 7 * model.config.num_hidden_layers and all(calls)  # 7 decode steps x layers
 
 
 def test_decode_step_hands_over_to_native():
