@@ -283,6 +283,8 @@ def decode_attention(query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor
                          "or kernel='eager'")
     if query.device.type != "cpu":
         raise ValueError(f"kernel='native' runs on CPU tensors; got {query.device}")
+    if fp_v.shape[-1] != D:
+        raise ValueError(f"kernel='native' reads values of the keys' head_dim {D}; got {fp_v.shape[-1]}")
     lib = _load()
     a = _Args()
     kc = q.k[k_codec.prefix + "codes"]

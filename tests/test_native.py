@@ -190,6 +190,16 @@ def test_native_on_other_geometries(geometry):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 8])
+@pytest.mark.parametrize("options", [{}, {"rotate": "v", "v_scale": "minmax"}], ids=["defaults", "minmax-values"])
+def test_native_reads_every_width_at_head_dim_64(bits, options):
+    """At head_dim 64 every width's value codes are read as whole 8-channel slices (3 bits: three byte planes of
+    8 bytes), beside the bytewise unpacking of head_dim 32."""
+    layer = _layer(("llama", 64, 9, 3), bits=bits, **options)
+    out, ref = _both(layer)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_the_mask_is_applied():
     layer = _layer(bits=4)
     masked, _ = _both(layer, mask=True)
@@ -297,6 +307,25 @@ def test_the_roofline_bench_runs(tmp_path):
         assert r["quantized_tokens"] >= 256 and r["bytes_read"] > 0
         assert 0 < r["c_gb_s"] < 100 * result["copy_gb_s"] and r["total_ms"] >= r["c_ms"] * 0.5
     assert "C / copy" in (tmp_path / "r.md").read_text()
+
+
+def test_the_portable_build_gives_the_same_numbers(monkeypatch, tmp_path):
+    """Built without AVX2 (as on a CPU without it: lane loops instead of permutes and byte loads), the kernel gives
+    the reference's numbers too."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 flag")
+    monkeypatch.setenv("QCACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_FLAGS", native._FLAGS + ["-mno-avx2"])
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_error", None)
+    assert native.available()
+    out, ref = _both(_layer(("llama", 64, 9, 3), bits=4))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    args, ref_args = _window_args(_layer(bits=4))
+    torch.testing.assert_close(native.decode_attention(*args), kernels.decode_attention(*ref_args),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_the_rotation_fold_follows_each_matrix():

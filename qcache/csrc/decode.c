@@ -39,6 +39,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define TILE 8
 #define MAXD 256
@@ -76,6 +79,8 @@ typedef struct {
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
+static inline v8 vsel(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
 static inline float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, man = h & 1023, u;
     if (e == 0) {
@@ -106,7 +111,7 @@ static inline float ld(const qc_tensor *t, int64_t i) {
     }
 }
 
-static void ldrow(const qc_tensor *t, int64_t i, int n, float *out) {  /* n elements from index i, as fp32 */
+static inline __attribute__((always_inline)) void ldrow(const qc_tensor *t, int64_t i, int n, float *out) {  /* n elements from index i, as fp32 */
     if (t->dtype == F32) {
         memcpy(out, (const float *)t->p + i, sizeof(float) * n);
     } else if (t->dtype == BF16) {
@@ -147,6 +152,81 @@ static void unpack_row(const uint8_t *p, int D, int bits, uint8_t *out) {
 
 static inline v8 load8(const float *p) { v8 r; memcpy(&r, p, sizeof r); return r; }
 
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+static inline v8i bytes8(const uint8_t *p) {  /* 8 bytes, zero-extended */
+#ifdef __AVX2__
+    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    v8b r;
+    memcpy(&r, p, 8);
+    return __builtin_convertvector(r, v8i);
+#endif
+}
+
+/* the codes of one packed row as 8-channel index vectors in channel order (idx[k]: channels 8k..8k+7); 0 where a
+ * plane of this width and head_dim is not a whole number of 8-byte loads (the caller then unpacks bytewise) */
+static inline int code_slices(const uint8_t *p, int D, int bits, v8i *idx) {
+    if (bits == 8) {
+        for (int k = 0; k < D / 8; k++) idx[k] = bytes8(p + 8 * k);
+    } else if (bits == 4 && D % 16 == 0) {
+        const int n = D / 16;
+        for (int k = 0; k < n; k++) { v8i u = bytes8(p + 8 * k); idx[k] = u & 15; idx[n + k] = u >> 4; }
+    } else if (bits == 2 && D % 32 == 0) {
+        const int n = D / 32;
+        for (int k = 0; k < n; k++) {
+            v8i u = bytes8(p + 8 * k);
+            idx[k] = u & 3; idx[n + k] = (u >> 2) & 3; idx[2 * n + k] = (u >> 4) & 3; idx[3 * n + k] = u >> 6;
+        }
+    } else if (bits == 3 && D % 64 == 0) {
+        const int m = D / 8, n = D / 64;
+        for (int k = 0; k < n; k++) {
+            v8i w = bytes8(p + 8 * k) | (bytes8(p + m + 8 * k) << 8) | (bytes8(p + 2 * m + 8 * k) << 16);
+            for (int i = 0; i < 8; i++) idx[i * n + k] = (w >> (3 * i)) & 7;
+        }
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
+/* the level of each code of n index vectors, in place (as fp32 bits): the code itself (mode 0), a lane permute of
+ * a table of up to 8 or 16 levels (modes 1, 2: AVX2), else a lookup per lane (mode 3) */
+static inline __attribute__((always_inline)) void levels_row(v8i *idx, int n, int mode, const float *lev,
+                                                             const v8 *table) {
+    switch (mode) {
+    case 0:
+        for (int k = 0; k < n; k++) idx[k] = (v8i)__builtin_convertvector(idx[k], v8);
+        break;
+#ifdef __AVX2__
+    case 1:
+        for (int k = 0; k < n; k++) idx[k] = (v8i)_mm256_permutevar8x32_ps((__m256)table[0], (__m256i)idx[k]);
+        break;
+    case 2:
+        for (int k = 0; k < n; k++) {
+            v8 lo = (v8)_mm256_permutevar8x32_ps((__m256)table[0], (__m256i)idx[k]);
+            v8 hi = (v8)_mm256_permutevar8x32_ps((__m256)table[1], (__m256i)idx[k]);
+            idx[k] = (v8i)vsel(idx[k] > 7, hi, lo);
+        }
+        break;
+#endif
+    default:
+        for (int k = 0; k < n; k++) {
+            v8 r;
+            for (int i = 0; i < 8; i++) r[i] = lev[idx[k][i]];
+            idx[k] = (v8i)r;
+        }
+    }
+    (void)table;
+}
+
+static inline int levels_mode(const float *lev, int nlev) {
+#ifdef __AVX2__
+    if (lev && nlev <= 16) return nlev <= 8 ? 1 : 2;
+#endif
+    return lev ? 3 : 0;
+}
+
 static inline float hmax8(v8 a) {
     float m = a[0];
     for (int i = 1; i < 8; i++) m = a[i] > m ? a[i] : m;
@@ -157,7 +237,6 @@ static inline float hsum8(v8 a) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-static inline v8 vsel(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
 /* exp on 8 lanes (Cephes' expf: n = round(x log2 e), x - n ln 2 in two parts, a degree-6 polynomial, times 2^n);
  * within 2 ulp of expf; 0 below -87.3 (where expf is subnormal or 0), NaN stays NaN */
@@ -197,6 +276,35 @@ static void butterfly(float *x, int D, int block) {  /* x H within blocks of `bl
                 float a = x[j], e = x[j + w];
                 x[j] = a + e; x[j + w] = a - e;
             }
+}
+
+/* `n` (1 to 3) butterfly stages w, 2w, 4w of 8-token tiles x[D], the 2^n entries each touches held in registers */
+static inline __attribute__((always_inline)) void bf_pass(v8 *x, int D, int w, int n) {
+    const int span = w << n, m = 1 << n;
+    for (int base = 0; base < D; base += span)
+        for (int j = base; j < base + w; j++) {
+            v8 r[8];
+            for (int k = 0; k < m; k++) r[k] = x[j + k * w];
+            for (int st = 1; st < m; st <<= 1)
+                for (int k = 0; k < m; k++)
+                    if (!(k & st)) { v8 p = r[k], e = r[k + st]; r[k] = p + e; r[k + st] = p - e; }
+            for (int k = 0; k < m; k++) x[j + k * w] = r[k];
+        }
+}
+
+/* acc[g][ch] += sum over the tile's tokens i of p[g][i] * v[i][ch], for n (1 to 4) query rows from g0: each
+ * 8-channel slice of the n rows stays in registers over the tile */
+static inline __attribute__((always_inline)) void acc_rows(float *acc, int D, const float *vt, const v8 *s, int g0,
+                                                           int n) {
+    for (int ch = 0; ch < D; ch += 8) {
+        v8 r[4];
+        for (int k = 0; k < n; k++) r[k] = load8(acc + (g0 + k) * D + ch);
+        for (int i = 0; i < TILE; i++) {
+            const v8 vv = load8(vt + i * MAXD + ch);
+            for (int k = 0; k < n; k++) r[k] += s[g0 + k][i] * vv;
+        }
+        for (int k = 0; k < n; k++) memcpy(acc + (g0 + k) * D + ch, &r[k], sizeof(v8));
+    }
 }
 
 /* the additive bias of 8 consecutive tokens from index i of row b (a U8 mask: 0 where attended, else -FLT_MAX) */
@@ -247,8 +355,12 @@ static void region_item(const qc_args *a, int b, int h, int c, float *m, float *
     v8i ci[MAXD];
     v8 s[MAXG];
     uint8_t row[MAXD];
-    float v[MAXD], sc[MAXD], zr[MAXD], vs[MAXD], vz[MAXD];
+    float vt[TILE * MAXD], sc[MAXD], zr[MAXD], vs[MAXD], vz[MAXD];
     int cur = -1;
+    const int nvlev = 1 << vbits, vslices = vgroup % 8 == 0;  /* value slices of 8 channels lie in one group */
+    const int vmode = levels_mode(a->vlev, nvlev);
+    v8 vtable[2] = {{0}, {0}};
+    if (a->vlev && nvlev <= 16) memcpy(vtable, a->vlev, sizeof(float) * nvlev);
     for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }
     memset(acc, 0, sizeof(float) * G * D);
     const int t_end = (c + 1) * a->chunk < T ? (c + 1) * a->chunk : T;
@@ -288,12 +400,12 @@ static void region_item(const qc_args *a, int b, int h, int c, float *m, float *
                 for (int ch = 0; ch < D; ch++) x[ch] = zr[ch] + __builtin_convertvector(ci[ch], v8) * sc[ch];
             }
         }
-        for (int w = 1; w < a->krot; w <<= 1)  /* Walsh-Hadamard butterflies within blocks of krot */
-            for (int base = 0; base < D; base += 2 * w)
-                for (int j = base; j < base + w; j++) {
-                    v8 p = x[j], e = x[j + w];
-                    x[j] = p + e; x[j + w] = p - e;
-                }
+        for (int w = 1; w < a->krot; w <<= 3) {  /* Walsh-Hadamard butterflies within blocks of krot */
+            const int left = a->krot / w;
+            if (left >= 8) bf_pass(x, D, w, 3);
+            else if (left == 4) bf_pass(x, D, w, 2);
+            else bf_pass(x, D, w, 1);
+        }
         if (a->bcos.p) {
             const float *bc = (const float *)a->bcos.p + b * a->bcos.sb + blk * a->bcos.st;
             const float *bs = (const float *)a->bsin.p + b * a->bsin.sb + blk * a->bsin.st;
@@ -315,10 +427,31 @@ static void region_item(const qc_args *a, int b, int h, int c, float *m, float *
             s[g] = ((a0 + a1) + (a2 + a3)) * scaling + bias;
         }
         tile_softmax(G, D, s, m, l, acc, NULL);
-        for (int i = 0; i < TILE; i++) {  /* values, one token at a time */
+        for (int i = 0; i < TILE; i++) {  /* the tile's values, dequantized */
             const int64_t t = t0 + i;
-            unpack_row(vc + t * a->vcodes.st, D, vbits, row);
+            float *v = vt + i * MAXD;
             ldrow(&a->vscale, at(&a->vscale, b, h, t), ng, vs);
+            if (vslices && code_slices(vc + t * a->vcodes.st, D, vbits, ci)) {
+                levels_row(ci, D / 8, vmode, a->vlev, vtable);
+                if (a->vzero.p) {
+                    ldrow(&a->vzero, at(&a->vzero, b, h, t), ng, vz);
+                    for (int gi = 0, k = 0; gi < ng; gi++) {
+                        const float z = vz[gi], sg = vs[gi];
+                        for (int e = 0; e < vgroup; e += 8, k++) {
+                            v8 r = z + (v8)ci[k] * sg;
+                            memcpy(v + 8 * k, &r, sizeof r);
+                        }
+                    }
+                } else {
+                    const float sg = vs[0];
+                    for (int k = 0; k < D / 8; k++) {
+                        v8 r = (v8)ci[k] * sg;
+                        memcpy(v + 8 * k, &r, sizeof r);
+                    }
+                }
+                continue;
+            }
+            unpack_row(vc + t * a->vcodes.st, D, vbits, row);
             if (a->vzero.p) {
                 ldrow(&a->vzero, at(&a->vzero, b, h, t), ng, vz);
                 for (int gi = 0; gi < ng; gi++) {
@@ -331,10 +464,13 @@ static void region_item(const qc_args *a, int b, int h, int c, float *m, float *
             } else {
                 for (int ch = 0; ch < D; ch++) v[ch] = a->vlev[row[ch]] * vs[0];
             }
-            for (int g = 0; g < G; g++) {
-                const float p = s[g][i];
-                float *ag = acc + g * D;
-                for (int ch = 0; ch < D; ch++) ag[ch] += p * v[ch];
+        }
+        for (int g0 = 0; g0 < G; g0 += 4) {  /* weighted into the sums, four query rows at a time */
+            switch (G - g0) {
+            case 1: acc_rows(acc, D, vt, s, g0, 1); break;
+            case 2: acc_rows(acc, D, vt, s, g0, 2); break;
+            case 3: acc_rows(acc, D, vt, s, g0, 3); break;
+            default: acc_rows(acc, D, vt, s, g0, 4);
             }
         }
     }
