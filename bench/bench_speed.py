@@ -27,6 +27,7 @@ Not a test: it takes minutes.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
@@ -724,6 +725,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="mmap: children run with MALLOC_MMAP_THRESHOLD_=131072, so freed tensors leave RSS at once and "
                         "the peak measures live memory; glibc: the default dynamic threshold (peaks then include heap "
                         "fragmentation and varied by up to 80 MiB between identical 4k runs)")
+    p.add_argument("--malloc", choices=["glibc", "tuned"], default="glibc",
+                   help="the timed process's allocator settings: glibc's defaults (what a process gets unless told "
+                        "otherwise: every large tensor page-faulted in anew), or tuned (mmap and trim thresholds raised "
+                        "to 1 GiB with mallopt, as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ would): freed tensors "
+                        "are reused without page faults, as with jemalloc or tcmalloc")
     p.add_argument("--profile", nargs="*", default=["quant:4", "quant:4@fp32", "default@fp32", "default"],
                    help="rows profiled at the largest decode context")
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled per row")
@@ -738,6 +744,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="only rewrite the targets and the .md of a saved result JSON (no measurement)")
     p.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)  # internal: run one RSS measurement
     return p
+
+
+def _tune_malloc() -> None:
+    """glibc: raise the mmap and trim thresholds to 1 GiB (`--malloc tuned`), so large freed tensors stay in the heap
+    and are reused instead of being unmapped and page-faulted in again at the next allocation."""
+    libc = ctypes.CDLL("libc.so.6")
+    for param in (-3, -1):  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        if libc.mallopt(param, 1 << 30) != 1:
+            raise RuntimeError(f"mallopt({param}, 1 GiB) failed: --malloc tuned needs glibc; allowed: --malloc glibc")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -758,13 +773,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import transformers
 
+    if args.malloc == "tuned":
+        _tune_malloc()
     start = time.perf_counter()
     rows = [Row.parse(s) for s in dict.fromkeys([BASE, *args.rows])]
     labels = {r.label for r in rows}
     result = {
         "command": " ".join(["python", "bench/bench_speed.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch thread(s), CPU (shared)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch thread(s), CPU (shared), "
+                   f"malloc {args.malloc}",
         "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "qcache_version": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "git": _git_state(), "args": vars(args),
