@@ -199,6 +199,7 @@ REFUSAL_REASONS = (
     ("rotates keys with a layout", "a RoPE layout other than rotate-half or interleaved pairs (`rope='post'` allowed)"),
     ("convolution/recurrent state", "a recurrent or convolution state (Mamba, linear attention)"),
     ("head_dim per layer", "head_dim set per layer"),
+    ("latent and rotary part", "multi-head latent attention (its latent cached in place of keys and values)"),
     ("keys with head_dim", "keys and values of different head_dim"),
     ("has no apply_rotary_pos_emb", "no apply_rotary_pos_emb(q, k, cos, sin) in its modeling code to check the RoPE "
      "layout against"),
