@@ -95,6 +95,7 @@ class QuantCache(Cache):
         self.options = options
         super().__init__(layers=[])
         self._fingerprint: dict | None = None
+        self._module_heads: dict[int, int | None] = {}  # kv heads per layer read from its attention module (_bind)
         self._rotation: SharedRotation | None = None  # rotation="hadamard": one matrix for all layers (at _bind)
         self._config_obj = None
         self._text_config = None
@@ -146,6 +147,7 @@ class QuantCache(Cache):
                 )
         self.layers = layers
         self._fingerprint = fingerprint
+        self._module_heads = {}
         self._config_obj = config_obj if config_obj is not None else text_config
         self._text_config = text_config
 
@@ -197,7 +199,9 @@ class QuantCache(Cache):
             return layer.store.heads
         if key_states.dim() != 4 or key_states.shape[1] == self._fingerprint["num_key_value_heads"]:
             return None
-        return module_kv_heads(attention_module_on_stack(layer_idx))
+        if layer_idx not in self._module_heads:  # looked up once per layer (a native sliding layer holds no store)
+            self._module_heads[layer_idx] = module_kv_heads(attention_module_on_stack(layer_idx))
+        return self._module_heads[layer_idx]
 
     def _choose_key_rotation(self, layer: BlockLayer, key_states: torch.Tensor) -> None:
         """rotate="auto": decide whether `layer` rotates its keys, from the weights of the attention module calling

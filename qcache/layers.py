@@ -250,9 +250,13 @@ class QuantLayer(CacheLayerMixin):
             return s.view("res_k"), s.view("res_v")
         if s.length("early"):
             return s.view("early_k"), s.view("early_v")
-        views = s.views("residual")
-        return tuple(torch.cat(c.planes({n: t for n, t in views.items() if n.startswith(c.prefix)}, consts),
-                               dim=-1).to(self.dtype) for c, consts in zip(self.window_codecs, self.window_consts))
+        return tuple(torch.cat(c.planes(parts, consts), dim=-1).to(self.dtype)
+                     for c, parts, consts in zip(self.window_codecs, self._window_codes(), self.window_consts))
+
+    def _window_codes(self) -> tuple[dict, dict]:
+        """The coded residual's key and value parts, {part name: view [B, H, R, ...]} each."""
+        views = self.store.views("residual")
+        return tuple({n: t for n, t in views.items() if n.startswith(c.prefix)} for c in self.window_codecs)
 
     @property
     def quantized_length(self) -> int:
@@ -345,6 +349,12 @@ class BlockLayer(QuantLayer):
         self.v_codec: ValueCodec | None = None
         self.sink_tokens = 0 if self.is_sliding else cfg.sink_tokens
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        # whether a decode step hands qcache's C kernel the 8-bit window as its codes (fixed by the codecs)
+        self._reads_window_codes = (self.decode_kernel == "native" and self.device.type == "cpu"
+                                    and native.window_unsupported(self.window_codecs, self.window_consts) is None)
+
     def choose_key_rotation(self, ratio: float | None) -> None:
         """rotate="auto": rotate this layer's keys if `ratio` (estimated score error rotated / unrotated,
         qcache/keyrot.py) is below 1, else (or with None: no estimate) leave them unrotated (and on a calibration
@@ -398,13 +408,9 @@ class BlockLayer(QuantLayer):
         self._append_window(key_states[:, :, n_sink:], value_states[:, :, n_sink:])
         self._flush()
         if T == 1 and self.decode_kernel is not None and not self.is_sliding and s.length("token") > 0:
-            if (self.decode_kernel == "native" and self.device.type == "cpu" and not s.length("early")
-                    and native.window_unsupported(self.window_codecs, self.window_consts) is None):
+            if self._reads_window_codes and not s.length("early"):
                 # the C kernel reads the 8-bit window from its codes: only the sinks are handed over as tensors
-                (ck, cv), (kc, vc) = self.window_codecs, self.window_consts
-                views = s.views("residual")
-                window = native.Window({n: t for n, t in views.items() if n.startswith(ck.prefix)},
-                                       {n: t for n, t in views.items() if n.startswith(cv.prefix)}, ck, cv, kc, vc)
+                window = native.Window(*self._window_codes(), *self.window_codecs, *self.window_consts)
                 step = DecodeStep(self, s.view("sink_k"), s.view("sink_v"), self.stored_length(), window)
             else:
                 res_k, res_v = self._window()
@@ -590,8 +596,7 @@ class TokenWindowLayer(QuantLayer):
 
     def _build(self, batch: int, heads: int, head_dim: int) -> PackedStore:
         self.window_codecs = layout.window_codecs(self.cfg, head_dim, True, self.v_head_dim)
-        parts = [part for codec, width in zip(self.window_codecs, (head_dim, self.v_head_dim))
-                 for part in codec.parts(width, self.dtype)]
+        parts = layout.window_parts(self.window_codecs, head_dim, self.dtype, self.v_head_dim)
         return PackedStore(parts, batch, heads, self.device, min_grow={"residual": self.cfg.k_group_size},
                            bounded={"residual": self.sliding_window})
 

@@ -25,8 +25,8 @@ import torch
 from .codec import KeyCodec, ValueCodec
 from .store import Part
 
-__all__ = ["key_codec", "value_codec", "token_codecs", "window_codecs", "layer_parts", "entries", "held_bytes",
-           "bytes_per_token", "full_precision_tokens", "token_bytes", "CLIP_RATIOS"]
+__all__ = ["key_codec", "value_codec", "token_codecs", "window_codecs", "window_parts", "layer_parts", "entries",
+           "held_bytes", "bytes_per_token", "full_precision_tokens", "token_bytes", "CLIP_RATIOS"]
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # tried per group with clip_search=True
 _FP_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32}  # a stand-in dtype of the cache's element size
@@ -86,6 +86,14 @@ def window_codecs(cfg, head_dim: int, window_only: bool, v_head_dim: int | None 
     return None
 
 
+def window_parts(window: tuple[ValueCodec, ValueCodec], head_dim: int, dtype: torch.dtype,
+                 v_head_dim: int | None = None) -> list[Part]:
+    """The parts of the residual's key and value token codecs (keys of `head_dim` channels, values of `v_head_dim`,
+    default the same)."""
+    return [part for codec, width in zip(window, (head_dim, v_head_dim or head_dim))
+            for part in codec.parts(width, dtype)]
+
+
 def layer_parts(k: KeyCodec, v: ValueCodec, window: tuple[ValueCodec, ValueCodec] | None, head_dim: int,
                 dtype: torch.dtype, v_head_dim: int | None = None) -> list[Part]:
     """Every tensor a layer stores: the key and value codecs' parts, the sinks and the residual (keys of `head_dim`
@@ -94,7 +102,7 @@ def layer_parts(k: KeyCodec, v: ValueCodec, window: tuple[ValueCodec, ValueCodec
     parts = k.parts(widths["k"], dtype) + v.parts(widths["v"], dtype)
     parts += [Part(f"sink_{s}", "sink", (widths[s],), dtype, "full_precision") for s in "kv"]
     if window is not None:  # the 8-bit residual, and the tokens held as given until the layer first quantizes
-        parts += [part for codec, s in zip(window, "kv") for part in codec.parts(widths[s], dtype)]
+        parts += window_parts(window, head_dim, dtype, v_head_dim)
         parts += [Part(f"early_{s}", "early", (widths[s],), dtype, "full_precision") for s in "kv"]
     else:
         parts += [Part(f"res_{s}", "residual", (widths[s],), dtype, "full_precision") for s in "kv"]
@@ -121,7 +129,7 @@ def held_bytes(cfg, head_dim: int, num_tokens: int, fp_bytes: int = 2, window_on
     dtype = _FP_DTYPES[fp_bytes]
     window = window_codecs(cfg, head_dim, window_only)
     if window_only:  # no key blocks and no sinks: only the window's tokens
-        parts = [part for codec in window for part in codec.parts(head_dim, dtype)]
+        parts = window_parts(window, head_dim, dtype)
     else:
         parts = layer_parts(key_codec(cfg), value_codec(cfg, head_dim), window, head_dim, dtype)
     counts = entries(cfg, num_tokens, window_only)
