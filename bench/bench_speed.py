@@ -727,7 +727,7 @@ def _parser() -> argparse.ArgumentParser:
                         "fragmentation and varied by up to 80 MiB between identical 4k runs)")
     p.add_argument("--malloc", choices=["glibc", "tuned"], default="glibc",
                    help="the timed process's allocator settings: glibc's defaults (what a process gets unless told "
-                        "otherwise: every large tensor page-faulted in anew), or tuned (mmap and trim thresholds raised "
+                        "otherwise: large freed tensors may be unmapped and page-faulted in again), or tuned (mmap and trim thresholds raised "
                         "to 1 GiB with mallopt, as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ would): freed tensors "
                         "are reused without page faults, as with jemalloc or tcmalloc")
     p.add_argument("--profile", nargs="*", default=["quant:4", "quant:4@fp32", "default@fp32", "default"],

@@ -21,10 +21,11 @@ from transformers import (
 # the compiled paths explicitly and the "auto" choice itself.
 os.environ.setdefault("QCACHE_KERNEL", "eager")
 
-# glibc gives every allocation above 128 KiB fresh pages from mmap and hands them back at free, so each large tensor
-# a test makes is page-faulted in anew: on this project's CI machines most of an elementwise op on a few MiB (measured
-# 8 ms against 0.7 ms with the thresholds raised). Raised here for the test process and the CLIs it starts; this is a
-# property of the allocator, not of the cache (docs/guide.md, "CPU allocator").
+# glibc may give an allocation above its mmap threshold fresh pages and hand them back at free, so a large tensor a
+# test makes can be page-faulted in anew. On this project's CI machine that once made elementwise ops on a few MiB
+# ~10x slower than with the thresholds raised, and later cost nothing measurable (docs/guide.md, "CPU allocator"):
+# raised here for the test process and the CLIs it starts, so the suite's time does not depend on it. A property of
+# the allocator, not of the cache.
 _MALLOC = {"MALLOC_MMAP_THRESHOLD_": 1 << 30, "MALLOC_TRIM_THRESHOLD_": 1 << 30}
 for _name, _value in _MALLOC.items():
     os.environ.setdefault(_name, str(_value))
