@@ -134,12 +134,19 @@ class KeyCodec(_GroupCodec):
                       Part(self._name("out_val"), "block", (self.outliers, head_dim), dtype, "outliers")]
         return parts
 
-    def encode(self, k: torch.Tensor, consts: dict, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def encode(self, k: torch.Tensor, consts: dict, valid: torch.Tensor | None = None,
+               fit=None) -> dict[str, torch.Tensor]:
         """Parts for pre-RoPE keys k [B, H, n, D] (n a multiple of `group`); `valid` [B, 1, n, 1] bool keeps padding
-        out of the ranges. Returns {part name: tensor} as `parts` declares them."""
+        out of the ranges. Returns {part name: tensor} as `parts` declares them. `fit`: another encoder of the
+        rotated keys, (codec, k, consts, valid) -> parts, or None where it does not code this codec
+        (`native.encode_keys`, qcache's C encoder: the same parts)."""
         out = {}
         keep = valid
         k = self.rotate(k, consts)
+        if fit is not None:
+            parts = fit(self, k, consts, valid)
+            if parts is not None:
+                return parts
         if self.outliers:
             idx, val, keep = select_outliers(k, self.outliers, self.group, dim=2, mask=valid)
             out[self._name("out_idx")], out[self._name("out_val")] = idx, val  # [B, H, n/G, m, D]
@@ -219,13 +226,19 @@ class ValueCodec(_GroupCodec):
         return parts
 
     def encode(self, v: torch.Tensor, consts: dict, valid: torch.Tensor | None = None,
-               nearest=nearest_levels) -> dict[str, torch.Tensor]:
+               nearest=nearest_levels, fit=None) -> dict[str, torch.Tensor]:
         """Parts for values v [B, H, n, D]. (`valid` is accepted for symmetry: padding tokens are groups of their
         own, so they never widen a real token's range.) `nearest`: how `norm` finds each entry's nearest level
-        (`quant.nearest_levels`, or a compiled `nearest_levels_unrolled`: the same codes)."""
+        (`quant.nearest_levels`, or a compiled `nearest_levels_unrolled`: the same codes); `fit`: another encoder
+        of the rotated tokens, (codec, v, consts) -> parts, or None where it does not code this codec
+        (`native.encode_tokens`, qcache's C encoder)."""
         out = {}
         keep = None
         v = self.rotate(v, consts)
+        if fit is not None:
+            parts = fit(self, v, consts)
+            if parts is not None:
+                return parts
         if self.norm:
             levels = self._levels(consts).float().to(v.device)
             tiny = torch.finfo(torch.float32).tiny

@@ -233,7 +233,24 @@ class QuantLayer(CacheLayerMixin):
 
     def _code_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
         (ck, cv), (kc, vc) = self.window_codecs, self.window_consts
-        self.store.append("residual", **ck.encode(k.float(), kc), **cv.encode(v.float(), vc))
+        fit = {"fit": native.encode_tokens} if self._codes_in_c() else {}
+        self.store.append("residual", **ck.encode(k.float(), kc, **fit), **cv.encode(v.float(), vc, **fit))
+
+    def _codes_in_c(self) -> bool:
+        """Whether this layer codes tokens with qcache's C encoder (`native.encode_tokens`, `native.encode_keys`):
+        where its kernel is "native", or "auto" on a CPU where the C kernels build; else torch codes them."""
+        if self.device.type != "cpu":
+            return False
+        kernel = self.cfg.kernel
+        if kernel == "auto":
+            kernel = kernels._forced() or "auto"
+        return kernel == "native" or (kernel == "auto" and native.available())
+        kernel = self.cfg.kernel
+        if kernel == "auto":
+            kernel = kernels._forced() or "auto"
+        if kernel == "native" or (kernel == "auto" and native.available()):
+            return {"fit": native.encode_tokens}
+        return {}
 
     def _code_early(self) -> None:
         """Move the early tokens into the coded residual (the codes they would have had from the start: each
@@ -242,16 +259,19 @@ class QuantLayer(CacheLayerMixin):
         self._code_window(s.view("early_k"), s.view("early_v"))
         s.clear("early")
 
-    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual's keys (after RoPE) and values [B, H, R, D] in the cache dtype (the early tokens while
-        there are any: the coded residual is empty then)."""
+        there are any: the coded residual is empty then); with `n`, its first n tokens only."""
         s = self.store
         if self.window_codecs is None:
-            return s.view("res_k"), s.view("res_v")
+            return s.view("res_k")[:, :, :n], s.view("res_v")[:, :, :n]
         if s.length("early"):
-            return s.view("early_k"), s.view("early_v")
+            return s.view("early_k")[:, :, :n], s.view("early_v")[:, :, :n]
+        codes = self._window_codes()
+        if n is not None:
+            codes = tuple({name: t[:, :, :n] for name, t in parts.items()} for parts in codes)
         return tuple(torch.cat(c.planes(parts, consts), dim=-1).to(self.dtype)
-                     for c, parts, consts in zip(self.window_codecs, self._window_codes(), self.window_consts))
+                     for c, parts, consts in zip(self.window_codecs, codes, self.window_consts))
 
     def _window_codes(self) -> tuple[dict, dict]:
         """The coded residual's key and value parts, {part name: view [B, H, R, ...]} each."""
@@ -433,16 +453,20 @@ class BlockLayer(QuantLayer):
         n = (s.length("residual") - self.cfg.recent_tokens) // G * G
         if n <= 0:
             return
-        k, v = (t[:, :, :n] for t in self._window())  # [B, H, n, D]
+        k, v = self._window(n)  # [B, H, n, D]
         # positions of these tokens: they follow the sinks and the quantized region of their row
         start = s.length("sink") + self.dropped + s.length("token")
         p = self.first[:, None] + start + torch.arange(n, device=self.device)  # [B, n]
         valid = (p >= 0)[:, None, :, None]  # [B, 1, n, 1]: padding stays out of the statistics
         k = self.rope.undo(k, p, self.layer_idx) if self.rope is not None else k.float()  # fp32, pre-RoPE
-        nearest = ({"nearest": kernels.compiled("nearest_levels", self.v_codec.bits)} if self.kernel == "compiled"
-                   else {})
-        parts = (self.k_codec.encode(k, self.consts["k"], valid)
-                 | self.v_codec.encode(v.float(), self.consts["v"], **nearest))
+        if self._codes_in_c():
+            k_fit, v_fit = {"fit": native.encode_keys}, {"fit": native.encode_tokens}
+        else:
+            k_fit = {}
+            v_fit = ({"nearest": kernels.compiled("nearest_levels", self.v_codec.bits)}
+                     if self.kernel == "compiled" and self.v_codec.norm else {})
+        parts = (self.k_codec.encode(k, self.consts["k"], valid, **k_fit)
+                 | self.v_codec.encode(v.float(), self.consts["v"], **v_fit))
         for axis in ("token", "block"):
             s.append(axis, **{name: t for name, t in parts.items() if s.parts[name].axis == axis})
         s.drop_front("residual", n)

@@ -40,10 +40,11 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .codec import KeyCodec, ValueCodec
+from .quant import pack
 
 __all__ = ["available", "unsupported", "window_unsupported", "decode_attention", "library_path", "Window"]
 
-_SOURCE = Path(__file__).with_name("csrc") / "decode.c"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode.c", "encode.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast"]
 _CHUNK = 256  # tokens per work item: 32 items per kv head at 8192 tokens
 _MAX_D, _MAX_G = 256, 64  # the C function's stack tiles
@@ -70,7 +71,7 @@ def library_path() -> Path:
     """Where the compiled kernel lives: a name from the hash of its source, compiler, flags and CPU (a home directory
     shared by machines of other CPUs gets one library per CPU)."""
     root = Path(os.environ.get("QCACHE_HOME") or Path.home() / ".cache" / "qcache").expanduser() / "kernels"
-    key = _SOURCE.read_bytes() + " ".join([_compiler(), *_FLAGS, _cpu()]).encode()
+    key = b"".join(src.read_bytes() for src in _SOURCES) + " ".join([_compiler(), *_FLAGS, _cpu()]).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     return root / f"decode-{digest}.so"
 
@@ -83,7 +84,7 @@ def _build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, path)
@@ -104,6 +105,15 @@ def _load() -> ctypes.CDLL:
                 fn = lib.qcache_decode_attention
                 fn.argtypes = [ctypes.POINTER(_Args)]
                 fn.restype = ctypes.c_int
+                enc = lib.qcache_encode_norm
+                enc.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I]
+                enc.restype = ctypes.c_int
+                enc = lib.qcache_encode_minmax
+                enc.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _I]
+                enc.restype = ctypes.c_int
+                enc = lib.qcache_encode_keys
+                enc.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I]
+                enc.restype = ctypes.c_int
                 _lib = lib
             except Exception as err:  # noqa: BLE001 - any failure to build or load means: not here
                 _error = f"{type(err).__name__}: {err}"
@@ -335,3 +345,95 @@ def decode_attention(query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor
     if rc:
         raise ValueError(f"qcache's C decode kernel refused its arguments (code {rc}): T={T}, block {k_codec.group}")
     return out
+
+
+
+def encode_tokens(codec: ValueCodec, x: torch.Tensor, consts: dict) -> dict[str, torch.Tensor] | None:
+    """`codec.encode`'s parts for tokens x [..., D] already in the codec's space (rotated if it rotates), computed by
+    qcache's C encoder (qcache/csrc/encode.c): norm-scaled tokens (`norm_fit`) and min-max tokens with fp16 scales
+    and no codebook, outliers or clip search (the same codes, scales and zeros as the torch encoder). None for any
+    other codec, or a group whose range overflows fp16: the torch encoder then codes it (and raises for the
+    overflow)."""
+    if x.device.type != "cpu":
+        return None
+    if codec.norm:
+        codes, scale = norm_fit(x, codec._levels(consts), _norm_rounds())
+        return {codec.prefix + "codes": pack(codes, codec.bits), codec.prefix + "scale": scale.to(codec.scale_dtype)}
+    if (codec.codebook or codec.outliers or codec.clip_ratios != (1.0,) or codec.scale_dtype != torch.float16
+            or x.shape[-1] % codec.group):
+        return None
+    lib = _load()
+    x = x.float().contiguous()
+    D = x.shape[-1]
+    n = x.numel() // D if D else 0
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    scale = torch.empty(*x.shape[:-1], D // codec.group, dtype=torch.float16)
+    zero = torch.empty_like(scale)
+    if n:
+        rc = lib.qcache_encode_minmax(x.data_ptr(), n, D, codec.group, codec.bits, codes.data_ptr(), scale.data_ptr(),
+                                      zero.data_ptr(), torch.get_num_threads())
+        if rc == 2:
+            return None
+        if rc:
+            raise ValueError(f"qcache's C encoder refused its arguments (code {rc}): head_dim {D}, groups of "
+                             f"{codec.group}, {codec.bits} bits")
+    return {codec.prefix + "codes": pack(codes, codec.bits), codec.prefix + "scale": scale,
+            codec.prefix + "zero": zero}
+
+
+
+def encode_keys(codec: KeyCodec, k: torch.Tensor, consts: dict, valid: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor] | None:
+    """`codec.encode`'s parts for keys k [B, H, n, D] already in the codec's space, computed by qcache's C encoder:
+    per-channel block ranges with fp16 scales and no codebook, outliers, clip search or static ranges (the same codes,
+    scales and zeros as the torch encoder); `valid` [B, 1, n, 1] bool leaves padding out of the ranges. None for any
+    other codec or a range that overflows fp16 (the torch encoder then codes it, and raises for the overflow)."""
+    if (k.device.type != "cpu" or k.dim() != 4 or codec.codebook or codec.outliers or codec.static
+            or codec.clip_ratios != (1.0,) or codec.scale_dtype != torch.float16 or k.shape[2] % codec.group
+            or k.shape[-1] > 1024):
+        return None
+    lib = _load()
+    B, H, n, D = k.shape
+    k = k.float().contiguous()
+    ok = None if valid is None else valid.reshape(valid.shape[0], -1).expand(B, n).to(torch.uint8).contiguous()
+    codes = torch.empty(B, H, n, D, dtype=torch.uint8)
+    scale = torch.empty(B, H, n // codec.group, D, dtype=torch.float16)
+    zero = torch.empty_like(scale)
+    if codes.numel():
+        rc = lib.qcache_encode_keys(k.data_ptr(), None if ok is None else ok.data_ptr(), B, H, n, D, codec.group,
+                                    codec.bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+                                    torch.get_num_threads())
+        if rc == 2:
+            return None
+        if rc:
+            raise ValueError(f"qcache's C encoder refused its arguments (code {rc}): keys of shape {(B, H, n, D)}, "
+                             f"blocks of {codec.group}, {codec.bits} bits")
+    return {codec.prefix + "codes": pack(codes, codec.bits), codec.prefix + "scale": scale,
+            codec.prefix + "zero": zero}
+
+def _norm_rounds() -> int:
+    from .codec import _NORM_ROUNDS
+
+    return _NORM_ROUNDS
+
+def norm_fit(x: torch.Tensor, levels: torch.Tensor, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `ValueCodec(norm=True)` fits for rotated fp32 tokens x [..., D] on the CPU (qcache/csrc/encode.c): the
+    int64 index of each channel's level [..., D] and each token's least-squares scale [..., 1] fp32, after `rounds`
+    rounds from the token's RMS. The same arithmetic as the torch encoder in one pass over x; its sums run in another
+    order, so a scale may differ in its last fp32 bit."""
+    if x.device.type != "cpu":
+        raise ValueError(f"qcache's C encoder runs on CPU tensors; got {x.device}")
+    lib = _load()
+    x = x.float().contiguous()
+    lev = levels.float().cpu().contiguous()
+    D = x.shape[-1]
+    n = x.numel() // D if D else 0
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    scale = torch.empty(*x.shape[:-1], 1)
+    if n:
+        rc = lib.qcache_encode_norm(x.data_ptr(), n, D, lev.data_ptr(), lev.numel(), rounds, codes.data_ptr(),
+                                    scale.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise ValueError(f"qcache's C encoder refused its arguments (code {rc}): {lev.numel()} levels, head_dim "
+                             f"{D}, {rounds} rounds")
+    return codes, scale

@@ -193,6 +193,7 @@ class RopeHelper:
                 f"be stored pre-RoPE; not supported: {list(SEQ_DEPENDENT_ROPE)}; allowed for such models: rope='post'"
             )
         self._offsets: dict = {}  # (layer_type, F, device) -> (cos, sin) [F, R/2] at offsets 0..F-1, unit scale
+        self._factors: dict = {}  # layer_type -> (its last `factors` call's key, the factors it returned)
         # per layer type, decided at its first cos/sin: the module hands one cos/sin per rotated pair (width
         # head_dim/2 with every channel rotated)
         self._widen: dict = {}
@@ -243,11 +244,18 @@ class RopeHelper:
         0..block-1 ([block, R/2], unit scale)."""
         layer_type = self._layer_type(layer_idx)
         nb = -(-n // block)
+        # every layer of a type asks for the same positions at a decode step: the last answer per type is kept
+        key = (block, nb, first.device, tuple(first.tolist()))
+        found = self._factors.get(layer_type)
+        if found is not None and found[0] == key:
+            return found[1]
         starts = first.long()[:, None] + block * torch.arange(nb, device=first.device)  # [B, nb]
         cos, sin = self._compute(starts, layer_type)  # [B, nb, R]
         h = cos.shape[-1] // 2
         off_cos, off_sin = self._offset_table(layer_type, block, first.device)
-        return cos[..., :h], sin[..., :h], off_cos, off_sin
+        out = (cos[..., :h], sin[..., :h], off_cos, off_sin)
+        self._factors[layer_type] = (key, out)
+        return out
 
     def _offset_table(self, layer_type, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (layer_type, block, torch.device(device))
@@ -264,6 +272,7 @@ class RopeHelper:
         """Bytes of the tensors this helper keeps (the rotary module's buffers and the offset tables)."""
         tensors = {t.data_ptr(): t for t in self.rotary.buffers()}
         tensors.update({t.data_ptr(): t for pair in self._offsets.values() for t in pair})
+        tensors.update({t.data_ptr(): t for _, factors in self._factors.values() for t in factors})
         return sum(t.untyped_storage().nbytes() for t in tensors.values())
 
     # -- channel order -------------------------------------------------------------------------------------------
