@@ -32,7 +32,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -49,6 +48,7 @@ from qcache import QuantCache, __version__
 from qcache.layers import BlockLayer
 from qcache.attention import ATTN_IMPLEMENTATION, fp32_sdpa_attention_forward, use_fp32_attention
 from eval.caches import build_cache
+from eval.fidelity import describe_machine
 from qcache.tools.data import token_sequences
 from qcache.tools.footprint import reachable_bytes
 from qcache.tools.models import load_model
@@ -781,8 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join(["python", "bench/bench_speed.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch thread(s), CPU (shared), "
-                   f"malloc {args.malloc}",
+        "machine": f"{describe_machine()}, CPU (shared), malloc {args.malloc}",
         "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "qcache_version": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "git": _git_state(), "args": vars(args),

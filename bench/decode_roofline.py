@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import time
@@ -26,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, Qwen2Config
 
+from eval.fidelity import describe_machine
 from qcache import QuantCache, native
 
 GEOMETRIES = {
@@ -127,8 +127,7 @@ def main(argv=None) -> int:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
     result = {"command": "python bench/decode_roofline.py " + " ".join(argv or __import__("sys").argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.machine()}, {torch.get_num_threads()}"
-              f" threads of {__import__('os').cpu_count()} cores", "threads": args.threads,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": describe_machine(), "threads": args.threads,
               "git": git + ("-dirty" if dirty else ""), "torch": torch.__version__, "copy_mib": args.copy_mib,
               "copy_gb_s": copy_bandwidth(args.copy_mib, args.repeats), "rows": []}
     cases = [(g, L) for g in args.geometries for L in args.contexts]

@@ -925,7 +925,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "model": args.model, "command": command, "started": started, "timings": timings,
         "cpu_seconds": time.process_time(),
-        "machine": _machine(),
+        "machine": describe_machine(),
         "load_average": {"start": load_before, "end": load_average()}, "git": git_state(),
         "versions": {"qcache": qcache.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__, "python": platform.python_version()},
@@ -945,7 +945,7 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def _machine() -> str:
+def describe_machine() -> str:
     """CPU model, cores, memory and torch threads (what the timings ran on)."""
     model, memory = platform.processor() or platform.machine(), ""
     try:

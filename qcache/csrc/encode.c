@@ -14,6 +14,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -127,23 +128,48 @@ int qcache_encode_norm(const float *x, int64_t n, int64_t D, const float *levels
  * its zero the fp16 value at or below the min and its scale the fp16 value at or above (max - zero) / qmax (at
  * least fp16's smallest normal), codes round-half-even((x - zero) / scale) clamped to [0, qmax]. */
 
-static inline uint16_t f16_bits(_Float16 h) { uint16_t b; __builtin_memcpy(&b, &h, 2); return b; }
-static inline _Float16 f16_of(uint16_t b) { _Float16 h; __builtin_memcpy(&h, &b, 2); return h; }
-
-static inline _Float16 f16_down(float x) {  /* the largest fp16 <= x (x finite, in range) */
-    _Float16 y = (_Float16)x;
-    if ((float)y <= x) return y;
-    uint16_t b = f16_bits(y);
-    if (b == 0x0000) return f16_of(0x8001);
-    return f16_of((b & 0x8000) ? (uint16_t)(b + 1) : (uint16_t)(b - 1));
+/* fp16 by its bits (older compilers have no _Float16): fp32 -> fp16 rounds to nearest even, as torch's cast */
+static inline uint16_t f16_from(float f) {
+    uint32_t x;
+    __builtin_memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));  /* inf, nan */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* 65520 and up round to inf */
+    if (ax < 0x38800000u) {  /* below 2^-14: a subnormal (or 0), in units of 2^-24, exact scaling then RNE */
+        float a;
+        __builtin_memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.f));  /* 1024 is the smallest normal */
+    }
+    uint32_t h = ((((ax >> 23) - 127 + 15) << 10) | ((ax & 0x7fffffu) >> 13));
+    const uint32_t rest = ax & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;  /* a carry moves into the exponent, as it should */
+    return (uint16_t)(sign | h);
 }
 
-static inline _Float16 f16_up(float x) {  /* the smallest fp16 >= x */
-    _Float16 y = (_Float16)x;
-    if ((float)y >= x) return y;
-    uint16_t b = f16_bits(y);
-    if (b == 0x8000) return f16_of(0x0001);
-    return f16_of((b & 0x8000) ? (uint16_t)(b - 1) : (uint16_t)(b + 1));
+static inline float f16_to(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {
+        const float f = (float)m * 5.9604644775390625e-08f;  /* 2^-24 */
+        return sign ? -f : f;
+    }
+    const uint32_t x = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e - 15 + 127) << 23) | (m << 13));
+    float f;
+    __builtin_memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline uint16_t f16_down(float x) {  /* the largest fp16 <= x (x finite, in range) */
+    const uint16_t b = f16_from(x);
+    if (f16_to(b) <= x) return b;
+    if (b == 0x0000u) return 0x8001u;
+    return (uint16_t)((b & 0x8000u) ? b + 1 : b - 1);
+}
+
+static inline uint16_t f16_up(float x) {  /* the smallest fp16 >= x */
+    const uint16_t b = f16_from(x);
+    if (f16_to(b) >= x) return b;
+    if (b == 0x8000u) return 0x0001u;
+    return (uint16_t)((b & 0x8000u) ? b - 1 : b + 1);
 }
 
 /* x [n, D] fp32 contiguous; codes [n, D] uint8 (unpacked); scale, zero [n, D / group] fp16 (as uint16 bits).
@@ -162,19 +188,19 @@ int qcache_encode_minmax(const float *x, int64_t n, int64_t D, int64_t group, in
             for (int64_t d = 1; d < group; d++) { lo = v[d] < lo ? v[d] : lo; hi = v[d] > hi ? v[d] : hi; }
             if (lo < -fmax16 || hi > fmax16) { bad = 1; continue; }
             if (lo == 0.f) lo = 0.f;  /* a zero minimum as +0, as torch's amin gives it */
-            const _Float16 z = f16_down(lo);
-            float s = (hi - (float)z) / qmax;
+            const uint16_t z = f16_down(lo);
+            float s = (hi - f16_to(z)) / qmax;
             s = s < tiny16 ? tiny16 : s;
-            const _Float16 sh = f16_up(s);
-            const float zf = (float)z, sf = (float)sh;
+            const uint16_t sh = f16_up(s);
+            const float zf = f16_to(z), sf = f16_to(sh);
             uint8_t *c = codes + t * D + g * group;
             for (int64_t d = 0; d < group; d++) {
                 float u = nearbyintf((v[d] - zf) / sf);
                 u = u < 0.f ? 0.f : (u > qmax ? qmax : u);
                 c[d] = (uint8_t)u;
             }
-            scale[t * ng + g] = f16_bits(sh);
-            zero[t * ng + g] = f16_bits(z);
+            scale[t * ng + g] = sh;
+            zero[t * ng + g] = z;
         }
     }
     return bad ? 2 : 0;
@@ -213,14 +239,14 @@ int qcache_encode_keys(const float *x, const uint8_t *valid, int64_t B, int64_t 
             float l = any ? lo[d] : 0.f, h = any ? hi[d] : 0.f;
             if (l < -fmax16 || h > fmax16) { bad = 1; l = h = 0.f; }
             if (l == 0.f) l = 0.f;  /* a zero minimum as +0, as torch's amin gives it */
-            const _Float16 z = f16_down(l);
-            float s = (h - (float)z) / qmax;
+            const uint16_t z = f16_down(l);
+            float s = (h - f16_to(z)) / qmax;
             s = s < tiny16 ? tiny16 : s;
-            const _Float16 sh = f16_up(s);
-            zf[d] = (float)z;
-            sf[d] = (float)sh;
-            so[d] = f16_bits(sh);
-            zo[d] = f16_bits(z);
+            const uint16_t sh = f16_up(s);
+            zf[d] = f16_to(z);
+            sf[d] = f16_to(sh);
+            so[d] = sh;
+            zo[d] = z;
         }
         uint8_t *c = codes + (row * n + j * group) * D;
         for (int64_t t = 0; t < group; t++) {
