@@ -96,7 +96,7 @@ def layer_case(name: str, context: int, repeats: int) -> dict:
 
 def to_markdown(result: dict) -> str:
     lines = ["# CPU decode kernel against its bytes", "", f"Command: `{result['command']}`  ",
-             f"Date: {result['date']}; {result['machine']}; {result['threads']} torch thread(s)  ",
+             f"Date: {result['date']}; {result['machine']}  ",
              f"qcache git {result['git']}, torch {result['torch']}", "",
              f"Roofline: a {result['copy_mib']} MiB buffer copy moves **{result['copy_gb_s']:.1f} GB/s** (read + "
              "write). One layer of QuantCache(bits=4), rotated keys, one decode query, the 8-bit window read from "
