@@ -247,12 +247,6 @@ class QuantLayer(CacheLayerMixin):
         if kernel == "auto":
             kernel = kernels._forced() or "auto"
         return kernel == "native" or (kernel == "auto" and native.available())
-        kernel = self.cfg.kernel
-        if kernel == "auto":
-            kernel = kernels._forced() or "auto"
-        if kernel == "native" or (kernel == "auto" and native.available()):
-            return {"fit": native.encode_tokens}
-        return {}
 
     def _code_early(self) -> None:
         """Move the early tokens into the coded residual (the codes they would have had from the start: each
