@@ -157,6 +157,7 @@ class QuantLayer(CacheLayerMixin):
         self.v_head_dim = value_states.shape[-1]  # values may be wider than keys (MiMo-V2-Flash)
         if self.cfg.uses_rotation() and self._rotation is None:
             self._rotation, self._owns_rotation = SharedRotation(D, self.cfg.rotation_seed), True
+        self._in_c = self._codes_in_c()
         self.store = self._build(B, H, D)
         self.window_consts = None if self.window_codecs is None else self._token_consts(self.window_codecs)
         for consts in self.consts.values():
@@ -235,12 +236,13 @@ class QuantLayer(CacheLayerMixin):
 
     def _code_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
         (ck, cv), (kc, vc) = self.window_codecs, self.window_consts
-        fit = {"fit": native.encode_tokens} if self._codes_in_c() else {}
+        fit = {"fit": native.encode_tokens} if self._in_c else {}
         self.store.append("residual", **ck.encode(k.float(), kc, **fit), **cv.encode(v.float(), vc, **fit))
 
     def _codes_in_c(self) -> bool:
         """Whether this layer codes tokens with qcache's C encoder (`native.encode_tokens`, `native.encode_keys`):
-        where its kernel is "native", or "auto" on a CPU where the C kernels build; else torch codes them."""
+        where its kernel is "native", or "auto" on a CPU where the C kernels build; else torch codes them. Decided
+        once, at the layer's first update."""
         if self.device.type != "cpu":
             return False
         kernel = self.cfg.kernel
@@ -455,7 +457,7 @@ class BlockLayer(QuantLayer):
         p = self.first[:, None] + start + torch.arange(n, device=self.device)  # [B, n]
         valid = (p >= 0)[:, None, :, None]  # [B, 1, n, 1]: padding stays out of the statistics
         k = self.rope.undo(k, p, self.layer_idx) if self.rope is not None else k.float()  # fp32, pre-RoPE
-        if self._codes_in_c():
+        if self._in_c:
             k_fit, v_fit = {"fit": native.encode_keys}, {"fit": native.encode_tokens}
         else:
             k_fit = {}

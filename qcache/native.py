@@ -15,7 +15,11 @@ with nothing written back to memory but the partial sums of each chunk of tokens
 - a second pass in the same call merges each query row's partials and un-rotates the region's values once (a
   butterfly on the [D] output row), so torch only prepares the pointers: no dequantized window, no merge in torch.
 
-The C source is compiled once per machine with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
+The same library codes tokens (qcache/csrc/encode.c): `encode_tokens` (min-max and norm-scaled tokens) and
+`encode_keys` (key blocks) give `codec.encode`'s parts, which layers with a native kernel store (docs/design.md,
+"Coding in C").
+
+The C sources are compiled once per machine with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
 -fopenmp` into `$QCACHE_HOME/kernels` (default ~/.cache/qcache/kernels), written atomically, and loaded with ctypes.
 OpenMP binds to the runtime torch has already loaded (libgomp), so the kernel and torch share one thread pool; it
 runs on `torch.get_num_threads()` threads. `available()` says whether the build works here; `unsupported()` names
@@ -39,10 +43,11 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .codec import KeyCodec, ValueCodec
+from .codec import _NORM_ROUNDS, KeyCodec, ValueCodec
 from .quant import pack
 
-__all__ = ["available", "unsupported", "window_unsupported", "decode_attention", "library_path", "Window"]
+__all__ = ["available", "unsupported", "window_unsupported", "decode_attention", "library_path", "Window",
+           "encode_tokens", "encode_keys", "norm_fit"]
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode.c", "encode.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast"]
@@ -347,6 +352,23 @@ def decode_attention(query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor
     return out
 
 
+def _plain_minmax(codec) -> bool:
+    """Whether the C encoder's min-max path codes `codec`: fp16 scales, uniform levels, no outliers, no clip search."""
+    return (not codec.codebook and not codec.outliers and codec.clip_ratios == (1.0,)
+            and codec.scale_dtype == torch.float16)
+
+
+def _minmax_parts(codec, rc: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                  what: str) -> dict[str, torch.Tensor] | None:
+    """The parts of a min-max C encoder call that returned `rc` (2: a range overflows fp16, None so that the torch
+    encoder codes it and raises; any other non-zero: refused arguments, described by `what`)."""
+    if rc == 2:
+        return None
+    if rc:
+        raise ValueError(f"qcache's C encoder refused its arguments (code {rc}): {what}")
+    return {codec.prefix + "codes": pack(codes, codec.bits), codec.prefix + "scale": scale,
+            codec.prefix + "zero": zero}
+
 
 def encode_tokens(codec: ValueCodec, x: torch.Tensor, consts: dict) -> dict[str, torch.Tensor] | None:
     """`codec.encode`'s parts for tokens x [..., D] already in the codec's space (rotated if it rotates), computed by
@@ -357,10 +379,9 @@ def encode_tokens(codec: ValueCodec, x: torch.Tensor, consts: dict) -> dict[str,
     if x.device.type != "cpu":
         return None
     if codec.norm:
-        codes, scale = norm_fit(x, codec._levels(consts), _norm_rounds())
+        codes, scale = norm_fit(x, codec._levels(consts), _NORM_ROUNDS)
         return {codec.prefix + "codes": pack(codes, codec.bits), codec.prefix + "scale": scale.to(codec.scale_dtype)}
-    if (codec.codebook or codec.outliers or codec.clip_ratios != (1.0,) or codec.scale_dtype != torch.float16
-            or x.shape[-1] % codec.group):
+    if not _plain_minmax(codec) or x.shape[-1] % codec.group:
         return None
     lib = _load()
     x = x.float().contiguous()
@@ -369,17 +390,11 @@ def encode_tokens(codec: ValueCodec, x: torch.Tensor, consts: dict) -> dict[str,
     codes = torch.empty(x.shape, dtype=torch.uint8)
     scale = torch.empty(*x.shape[:-1], D // codec.group, dtype=torch.float16)
     zero = torch.empty_like(scale)
+    rc = 0
     if n:
         rc = lib.qcache_encode_minmax(x.data_ptr(), n, D, codec.group, codec.bits, codes.data_ptr(), scale.data_ptr(),
                                       zero.data_ptr(), torch.get_num_threads())
-        if rc == 2:
-            return None
-        if rc:
-            raise ValueError(f"qcache's C encoder refused its arguments (code {rc}): head_dim {D}, groups of "
-                             f"{codec.group}, {codec.bits} bits")
-    return {codec.prefix + "codes": pack(codes, codec.bits), codec.prefix + "scale": scale,
-            codec.prefix + "zero": zero}
-
+    return _minmax_parts(codec, rc, codes, scale, zero, f"head_dim {D}, groups of {codec.group}, {codec.bits} bits")
 
 
 def encode_keys(codec: KeyCodec, k: torch.Tensor, consts: dict, valid: torch.Tensor | None = None
@@ -388,9 +403,8 @@ def encode_keys(codec: KeyCodec, k: torch.Tensor, consts: dict, valid: torch.Ten
     per-channel block ranges with fp16 scales and no codebook, outliers, clip search or static ranges (the same codes,
     scales and zeros as the torch encoder); `valid` [B, 1, n, 1] bool leaves padding out of the ranges. None for any
     other codec or a range that overflows fp16 (the torch encoder then codes it, and raises for the overflow)."""
-    if (k.device.type != "cpu" or k.dim() != 4 or codec.codebook or codec.outliers or codec.static
-            or codec.clip_ratios != (1.0,) or codec.scale_dtype != torch.float16 or k.shape[2] % codec.group
-            or k.shape[-1] > 1024):
+    if (k.device.type != "cpu" or k.dim() != 4 or not _plain_minmax(codec) or codec.static
+            or k.shape[2] % codec.group or k.shape[-1] > 1024):
         return None
     lib = _load()
     B, H, n, D = k.shape
@@ -399,26 +413,18 @@ def encode_keys(codec: KeyCodec, k: torch.Tensor, consts: dict, valid: torch.Ten
     codes = torch.empty(B, H, n, D, dtype=torch.uint8)
     scale = torch.empty(B, H, n // codec.group, D, dtype=torch.float16)
     zero = torch.empty_like(scale)
+    rc = 0
     if codes.numel():
         rc = lib.qcache_encode_keys(k.data_ptr(), None if ok is None else ok.data_ptr(), B, H, n, D, codec.group,
                                     codec.bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(),
                                     torch.get_num_threads())
-        if rc == 2:
-            return None
-        if rc:
-            raise ValueError(f"qcache's C encoder refused its arguments (code {rc}): keys of shape {(B, H, n, D)}, "
-                             f"blocks of {codec.group}, {codec.bits} bits")
-    return {codec.prefix + "codes": pack(codes, codec.bits), codec.prefix + "scale": scale,
-            codec.prefix + "zero": zero}
+    return _minmax_parts(codec, rc, codes, scale, zero,
+                         f"keys of shape {(B, H, n, D)}, blocks of {codec.group}, {codec.bits} bits")
 
-def _norm_rounds() -> int:
-    from .codec import _NORM_ROUNDS
-
-    return _NORM_ROUNDS
 
 def norm_fit(x: torch.Tensor, levels: torch.Tensor, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What `ValueCodec(norm=True)` fits for rotated fp32 tokens x [..., D] on the CPU (qcache/csrc/encode.c): the
-    int64 index of each channel's level [..., D] and each token's least-squares scale [..., 1] fp32, after `rounds`
+    uint8 index of each channel's level [..., D] and each token's least-squares scale [..., 1] fp32, after `rounds`
     rounds from the token's RMS. The same arithmetic as the torch encoder in one pass over x; its sums run in another
     order, so a scale may differ in its last fp32 bit."""
     if x.device.type != "cpu":

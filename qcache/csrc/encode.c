@@ -1,16 +1,18 @@
-/* qcache's CPU encoder for norm-scaled tokens (qcache/native.py builds it with decode.c and calls it).
+/* qcache's CPU encoder (qcache/native.py builds it with decode.c and calls it): the parts `codec.encode` stores, for
+ * the three codecs a default cache codes on every flush and decode step.
  *
- * `ValueCodec(norm=True)` (qcache/codec.py) codes a rotated token x [D] as Gaussian levels times one scale: starting
- * from the token's RMS, `rounds` times, every channel takes the nearest level of x / scale (a tie goes to the lower
- * level) and the scale becomes the least-squares one for those levels, <x, l> / <l, l>. In torch that is ~6 passes
- * over the whole [tokens, D] tensor per round, each writing a temporary as large as the input; here one pass reads
- * each token once and keeps it in registers for every round. The arithmetic is the codec's (the same divisions,
- * comparisons and products, 8 channels at a time); sums over a token's channels are taken in another order than torch's reductions, so a
- * scale can differ from the torch encoder's in its last fp32 bit (and a code where that moves x / scale across a
- * midpoint).
- *
- * Layouts: x [n, D] fp32 contiguous (already rotated); levels [nlev] fp32 sorted ascending; codes [n, D] uint8 (one
- * code per byte, packed by the caller); scale [n] fp32.
+ * - qcache_encode_norm: `ValueCodec(norm=True)` (qcache/codec.py) codes a rotated token x [D] as Gaussian levels
+ *   times one scale: starting from the token's RMS, `rounds` times, every channel takes the nearest level of
+ *   x / scale (a tie goes to the lower level) and the scale becomes the least-squares one for those levels,
+ *   <x, l> / <l, l>. In torch that is ~6 passes over the whole [tokens, D] tensor per round, each writing a
+ *   temporary as large as the input; here each token is read once and kept in registers for every round. The
+ *   arithmetic is the codec's (the same divisions, comparisons and products, 8 channels at a time); sums over a
+ *   token's channels are taken in another order than torch's reductions, so a scale can differ from the torch
+ *   encoder's in its last fp32 bit (and a code where that moves x / scale across a midpoint).
+ *   x [n, D] fp32 contiguous (already rotated); levels [nlev] fp32 sorted ascending; codes [n, D] uint8 (one code
+ *   per byte, packed by the caller); scale [n] fp32.
+ * - qcache_encode_minmax: min-max tokens (the 8-bit window), bit for bit as the torch encoder.
+ * - qcache_encode_keys: per-channel key blocks, bit for bit as the torch encoder.
  */
 #include <float.h>
 #include <math.h>
@@ -51,7 +53,6 @@ static void token8(const float *v, int64_t D, const float *levels, const float *
     float ss = 0.f;
     for (int i = 0; i < 8; i++) ss += acc[i];
     float s = sqrtf(ss / (float)D);
-    int32_t idx[256];
 #ifdef __AVX2__
     float tab[16] = {0};
     for (int i = 0; i <= nmid && i < 16; i++) tab[i] = levels[i];
@@ -77,7 +78,7 @@ static void token8(const float *v, int64_t D, const float *levels, const float *
             } else
 #endif
             for (int j = 0; j < 8; j++) l[j] = levels[k[j]];
-            if (r == rounds - 1) for (int j = 0; j < 8; j++) idx[d + j] = k[j];
+            if (r == rounds - 1) for (int j = 0; j < 8; j++) c[d + j] = (uint8_t)k[j];
             num += load8(v + d) * l;
             den += l * l;
         }
@@ -85,7 +86,6 @@ static void token8(const float *v, int64_t D, const float *levels, const float *
         for (int i = 0; i < 8; i++) { n1 += num[i]; d1 += den[i]; }
         s = n1 / d1;
     }
-    for (int64_t d = 0; d < D; d++) c[d] = (uint8_t)idx[d];
     *scale = s;
 }
 
@@ -232,7 +232,10 @@ int qcache_encode_keys(const float *x, const uint8_t *valid, int64_t B, int64_t 
             if (ok && !ok[t]) continue;
             any = 1;
             const float *r = v + t * D;
-            for (int64_t d = 0; d < D; d++) { lo[d] = r[d] < lo[d] ? r[d] : lo[d]; hi[d] = r[d] > hi[d] ? r[d] : hi[d]; }
+            for (int64_t d = 0; d < D; d++) {
+                lo[d] = r[d] < lo[d] ? r[d] : lo[d];
+                hi[d] = r[d] > hi[d] ? r[d] : hi[d];
+            }
         }
         uint16_t *so = scale + it * D, *zo = zero + it * D;
         for (int64_t d = 0; d < D; d++) {
