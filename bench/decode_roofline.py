@@ -8,8 +8,8 @@ context, one layer of QuantCache(bits=4) (rotated keys, the defaults otherwise) 
 and the time of `native.decode_attention` (the C call and the torch that prepares its pointers) and of the C call
 alone is the median of repeats, with the 8-bit window handed over as its codes (what `QuantCache(bits=4)` decodes
 with). Bytes read: every tensor the kernel reads (the quantized region's codes, block scales and zeros, value
-scales; the window's codes, scales and zeros; the sinks). The roofline is the bandwidth of `torch.Tensor.copy_` between two buffers of 512 MiB
-(read + write bytes / time), with the same thread count. Not a test.
+scales; the window's codes, scales and zeros; the sinks). The roofline is the bandwidth of `torch.Tensor.copy_`
+between two buffers of 512 MiB (read + write bytes / time), with the same thread count. Not a test.
 """
 
 from __future__ import annotations
