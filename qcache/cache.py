@@ -68,7 +68,8 @@ class QuantCache(Cache):
     """A quantized KV cache for `model.generate` and plain forward passes.
 
     Keys are stored pre-RoPE, quantized per channel over blocks of `k_group_size` tokens; values per token in groups
-    of `v_group_size` channels; both bit-packed. Attention reads what the cache holds (dequantized).
+    of `v_group_size` channels; both bit-packed. Attention reads what the cache holds (dequantized); a forward pass
+    into an empty cache (the prefill) attends to the states it computed, as with the default cache.
 
     Args:
         config: the model's config. Optional: when omitted, the cache takes it from the attention module that

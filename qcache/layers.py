@@ -414,9 +414,11 @@ class BlockLayer(QuantLayer):
                                     "early": 0})  # (early: freed once coded)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new states and return all keys/values as the layer now holds them ([B, H, T_total, D]); at a
-        decode step with the compiled kernel, the handover (qcache/handover.py)."""
+        """Store the new states and return all keys/values as the layer now holds them ([B, H, T_total, D]); into
+        an empty layer, the states as given (a prefill attends to what it computed); at a decode step with the
+        compiled kernel, the handover (qcache/handover.py)."""
         T, kv_before = self._admit(key_states, value_states, kwargs)
+        given = (key_states.to(self.dtype), value_states.to(self.dtype)) if self.stored_length() == 0 else None
         key_states, value_states = self._key_order(key_states.to(self.dtype)), value_states.to(self.dtype)
         s = self.store
         n_sink = 0
@@ -436,6 +438,10 @@ class BlockLayer(QuantLayer):
                 step = DecodeStep(self, fp_k, fp_v, self.stored_length())
             self._handed = weakref.ref(step)
             return step.states()
+        if given is not None:  # nothing was held before: the prefill attends to its own states as computed
+            if self.is_sliding:
+                self._evict()
+            return given
         keys, values = self._held()
         if self.is_sliding:
             keys, values = keys[:, :, -(kv_before + T):], values[:, :, -(kv_before + T):]
@@ -625,9 +631,13 @@ class TokenWindowLayer(QuantLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens and return the window this step's queries see ([B, H, T_seen, D])."""
         T, kv_before = self._admit(key_states, value_states, kwargs)
+        fresh = self.stored_length() == 0  # nothing held before: the prefill attends to its own states as computed
         self._append_window(self._key_order(key_states.to(self.dtype)), value_states.to(self.dtype))
-        keys, values = (t[:, :, -(kv_before + T):] for t in self._window())
-        keys = self._model_order(keys)
+        if fresh:
+            keys, values = key_states.to(self.dtype), value_states.to(self.dtype)
+        else:
+            keys, values = (t[:, :, -(kv_before + T):] for t in self._window())
+            keys = self._model_order(keys)
         surplus = self.stored_length() - (self.sliding_window - 1)  # no future query sees these
         if surplus > 0:
             self.store.drop_front("residual", surplus)

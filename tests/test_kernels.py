@@ -15,12 +15,13 @@ from qcache.quant import code_planes, dequantize, pack
 OPTS = dict(k_group_size=16, v_group_size=16, v_scale="minmax", recent_tokens=4, sink_tokens=2)
 
 
-def _feed(cache, steps, batch=1, seed=0, dtype=torch.bfloat16, start=0, positions=None):
-    """Random states through layer 0 of `cache`: a 70-token prefill then `steps` single tokens; the reads."""
+def _feed(cache, steps, batch=1, seed=0, dtype=torch.bfloat16, start=0, positions=None, chunks=(70,)):
+    """Random states through layer 0 of `cache`: a 70-token prefill (or `chunks` of tokens: the first one into the
+    empty cache attends to its own states, the next ones read the cache) then `steps` single tokens; the reads."""
     g = torch.Generator().manual_seed(seed)
     H, D = cache._text_config.num_key_value_heads, cache._text_config.head_dim
     outs, pos = [], start
-    for n in [70] + [1] * steps:
+    for n in list(chunks) + [1] * steps:
         k, v = (torch.randn(batch, H, n, D, generator=g).to(dtype) for _ in range(2))
         p = torch.arange(pos, pos + n)[None].expand(batch, n) if positions is None else positions(pos, n)
         outs.append(cache.update(k, v, 0, kwargs={"position_ids": p}))
@@ -57,7 +58,10 @@ def test_compiled_read_equals_eager(bits, outliers, compiled_calls):
         torch.testing.assert_close(kf, ke, rtol=2**-7, atol=1e-3)
         torch.testing.assert_close(vf, ve, rtol=2**-7, atol=1e-3)
     assert fused.layers[0].quantized_length > 0
-    assert compiled_calls.count("read_keys") == 21 and compiled_calls.count("read_values") == 21
+    # the 20 steps read through the compiled functions; the prefill into the empty cache attends to its own states
+    assert compiled_calls.count("read_keys") == 20 and compiled_calls.count("read_values") == 20
+    assert torch.equal(_feed(QuantCache(config, bits=bits, outliers=outliers, **OPTS), 0)[0][0],
+                       _feed(QuantCache(config, bits=2, **OPTS), 0)[0][0])
 
 
 def test_compiled_generate_same_tokens(compiled_calls):
@@ -86,7 +90,7 @@ def test_every_layout_reads_compiled(compiled_calls):
     fused = QuantCache(config, bits=4, kernel="compiled", **OPTS)
     for (ke, _), (kf, _) in zip(_feed(eager, 3, batch=2, positions=padded), _feed(fused, 3, batch=2, positions=padded)):
         torch.testing.assert_close(kf, ke, rtol=2**-7, atol=1e-3)
-    assert fused.layers[0].first.tolist() == [0, -3] and compiled_calls.count("read_keys") == 4
+    assert fused.layers[0].first.tolist() == [0, -3] and compiled_calls.count("read_keys") == 3  # not the prefill
 
     eager = QuantCache(config, bits=4, **OPTS)
     fused = QuantCache(config, bits=4, kernel="compiled", **OPTS)
@@ -277,7 +281,7 @@ def test_a_failed_compile_names_the_way_out(monkeypatch):
     monkeypatch.setattr(kernels, "_COMPILED", {})
     config = make_model("llama").config
     with pytest.raises(RuntimeError, match=r"kernel='compiled'.*read_keys.*kernel='eager'"):
-        _feed(QuantCache(config, bits=4, kernel="compiled", **OPTS), 0)
+        _feed(QuantCache(config, bits=4, kernel="compiled", **OPTS), 0, chunks=(70, 5))
 
 
 def test_auto_kernel_is_compiled_where_torch_compile_works(monkeypatch, caplog):
@@ -318,6 +322,8 @@ def test_default_cache_reads_compiled(monkeypatch, compiled_calls):
     monkeypatch.setattr(kernels, "_COMPILER_WORKS", {})
     model = make_model("llama")
     cache = QuantCache(bits=4, **OPTS)
-    with torch.no_grad():
-        model.generate(torch.randint(2, 96, (1, 60)), cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    ids = torch.randint(2, 96, (1, 60))
+    with torch.no_grad():  # a second turn: its prompt reads what the first left in the cache
+        model(ids[:, :40], cache=cache, use_cache=True)
+        model(ids[:, 40:], cache=cache, use_cache=True)
     assert cache.layers[0].kernel == "compiled" and "read_keys" in compiled_calls

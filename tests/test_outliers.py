@@ -51,7 +51,8 @@ def test_cache_with_outliers_is_closer_and_counts_its_bytes():
         errs = {}
         for m in (0, 2):
             cache = QuantCache(bits=2, outliers=m, levels="uniform", **OPTS)
-            errs[m] = (model(ids, cache=cache, use_cache=True).logits - ref).pow(2).mean()
+            model(ids[:, :50], cache=cache, use_cache=True)  # then the rest reads its codes
+            errs[m] = (model(ids[:, 50:], cache=cache, use_cache=True).logits - ref[:, 50:]).pow(2).mean()
     assert errs[2] < errs[0]
     store = cache.layers[0].store
     nb, tq = store.length("block"), store.length("token")
