@@ -36,11 +36,6 @@ try:
 except (OSError, AttributeError):  # not glibc: its allocator's defaults stand
     pass
 
-# pytest-xdist (`-n auto`, pyproject.toml) runs one worker per core: each takes its share of the cores for torch's
-# threads, so that the workers do not oversubscribe the machine
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               head_dim=32, max_position_embeddings=1024, initializer_range=0.05, pad_token_id=0, eos_token_id=None,
               bos_token_id=1)
