@@ -418,8 +418,9 @@ class BlockLayer(QuantLayer):
         an empty layer, the states as given (a prefill attends to what it computed); at a decode step with the
         compiled kernel, the handover (qcache/handover.py)."""
         T, kv_before = self._admit(key_states, value_states, kwargs)
-        given = (key_states.to(self.dtype), value_states.to(self.dtype)) if self.stored_length() == 0 else None
-        key_states, value_states = self._key_order(key_states.to(self.dtype)), value_states.to(self.dtype)
+        fresh = self.stored_length() == 0  # nothing held before: the prefill attends to its own states as computed
+        given_k, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        key_states = self._key_order(given_k)
         s = self.store
         n_sink = 0
         if s.length("token") + s.length("residual") + s.length("early") == 0:
@@ -438,15 +439,16 @@ class BlockLayer(QuantLayer):
                 step = DecodeStep(self, fp_k, fp_v, self.stored_length())
             self._handed = weakref.ref(step)
             return step.states()
-        if given is not None:  # nothing was held before: the prefill attends to its own states as computed
+        if fresh:
+            keys, values = given_k, value_states
+        else:
+            keys, values = self._held()
+            keys = self._model_order(keys)
             if self.is_sliding:
-                self._evict()
-            return given
-        keys, values = self._held()
+                keys, values = keys[:, :, -(kv_before + T):], values[:, :, -(kv_before + T):]
         if self.is_sliding:
-            keys, values = keys[:, :, -(kv_before + T):], values[:, :, -(kv_before + T):]
             self._evict()
-        return self._model_order(keys), values
+        return keys, values
 
     def _flush(self) -> None:
         """Quantize whole blocks of G tokens out of the residual, keeping `recent_tokens` as they are."""
@@ -632,9 +634,10 @@ class TokenWindowLayer(QuantLayer):
         """Store the new tokens and return the window this step's queries see ([B, H, T_seen, D])."""
         T, kv_before = self._admit(key_states, value_states, kwargs)
         fresh = self.stored_length() == 0  # nothing held before: the prefill attends to its own states as computed
-        self._append_window(self._key_order(key_states.to(self.dtype)), value_states.to(self.dtype))
+        key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        self._append_window(self._key_order(key_states), value_states)
         if fresh:
-            keys, values = key_states.to(self.dtype), value_states.to(self.dtype)
+            keys, values = key_states, value_states
         else:
             keys, values = (t[:, :, -(kv_before + T):] for t in self._window())
             keys = self._model_order(keys)

@@ -60,6 +60,7 @@ def test_auto_is_exactly_the_fixed_choice_it_makes(aligned, fixed):
     for layer in (0, 1):
         _steer(model, layer, aligned=aligned)
     ids = torch.randint(2, 96, (1, 300), generator=torch.Generator().manual_seed(1))
+
     def two_turns(cache):  # the second forward reads the codes the first left (the first attends to its own states)
         return torch.cat([model(ids[:, :280], cache=cache).logits, model(ids[:, 280:], cache=cache).logits], dim=1)
 
