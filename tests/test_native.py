@@ -297,7 +297,9 @@ def test_the_roofline_bench_runs(tmp_path):
     spec.loader.exec_module(module)
     threads = torch.get_num_threads()
     try:
-        module.main(["--contexts", "512", "--repeats", "2", "--copy-mib", "16", "--threads", "1",
+        # medians of 7: the two timings are taken apart, and on a loaded machine a median of 2 once put the C call
+        # alone at 4x the whole call
+        module.main(["--contexts", "512", "--repeats", "7", "--copy-mib", "16", "--threads", "1",
                      "--out", str(tmp_path / "r")])
     finally:
         torch.set_num_threads(threads)
