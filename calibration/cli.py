@@ -189,7 +189,10 @@ def cache_options(spec: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qcache.calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="short name (smollm2-135m, gemma3-270m) or HF directory")
+    from qcache.tools.models import MODELS
+
+    p.add_argument("--model", default="smollm2-135m",
+                   help=f"short name ({', '.join(sorted(MODELS))}) or HF directory")
     p.add_argument("--out", type=Path, help="output .safetensors path (written atomically)")
     p.add_argument("--save-dir", type=Path,
                    help="also write a folder laid out like a hub repo: the file + README.md model card")

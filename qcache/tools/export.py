@@ -276,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     engines = p.add_subparsers(dest="engine", required=True, metavar="ENGINE", help="serving engine: vllm")
     v = engines.add_parser("vllm", help="fp8 KV-cache scales as vLLM / compressed-tensors checkpoints carry them")
-    v.add_argument("--model", required=True, help="short name (smollm2-135m, gemma3-270m), HF directory or hub id")
+    from .models import MODELS
+
+    v.add_argument("--model", required=True, help=f"short name ({', '.join(sorted(MODELS))}), HF directory or hub id")
     v.add_argument("--calibration", required=True,
                    help="calibration file (python -m qcache.calibrate), hub-like folder or hub repo id")
     v.add_argument("--out", required=True, type=Path, help="output model directory (new or empty)")
